@@ -1,0 +1,167 @@
+"""The engine loop: schedule -> run -> postprocess, plus request intake and outputs."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from oasiskv.bench.roofline import kv_bytes_per_step, weight_bytes_per_step
+from oasiskv.config import EngineConfig
+from oasiskv.engine.block_manager import BlockManager
+from oasiskv.engine.model_runner import ModelRunner
+from oasiskv.engine.scheduler import Scheduler
+from oasiskv.engine.sequence import Sequence
+from oasiskv.models.tokenizer import load_tokenizer
+from oasiskv.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    finished: bool
+    metrics: dict = field(default_factory=dict)  # ttft, tpot, e2el (seconds), preemptions
+    stats: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = load_tokenizer(self.runner.source)
+        self.block_manager = BlockManager(self.runner.num_pages, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_model_len = self.runner.max_model_len
+        mc = self.runner.model_config
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._ids = itertools.count()
+        self._weight_bytes = weight_bytes_per_step(mc, self.runner.dtype.itemsize)
+        self.seqs: dict[str, Sequence] = {}
+        self.step_stats = {"prefill_steps": 0, "decode_steps": 0, "decode_time": 0.0,
+                           "decode_tokens": 0, "prefill_time": 0.0, "prefill_tokens": 0,
+                           "decode_bytes": 0}
+
+    # ---- intake -------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.runner.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(token_ids)} tokens, longer than the maximum model length "
+                             f"{self.max_model_len} minus one token of output")
+        pages = -(-(len(token_ids) + 1) // self.config.block_size)
+        if pages > self.block_manager.num_pages:
+            raise ValueError(f"the prompt needs {pages} KV pages but the cache holds only "
+                             f"{self.block_manager.num_pages}; raise --kv-cache-gb")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, token_ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        t0 = time.perf_counter()
+        tokens = self.runner.execute(batch)
+        self._account(batch, time.perf_counter() - t0)
+        return self.postprocess(batch, tokens)
+
+    def _account(self, batch, seconds: float) -> None:
+        kind = "prefill" if batch.is_prefill else "decode"
+        self.step_stats[f"{kind}_steps"] += 1
+        self.step_stats[f"{kind}_time"] += seconds
+        self.step_stats[f"{kind}_tokens"] += sum(batch.num_tokens)
+        if not batch.is_prefill:  # bytes a decode step must read: weights + every cached K/V
+            r = self.runner
+            self.step_stats["decode_bytes"] += self._weight_bytes + kv_bytes_per_step(
+                r.model_config, r.dtype.itemsize, sum(s.num_tokens - 1 for s in batch.seqs))
+
+    def postprocess(self, batch, tokens: list[int | None]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for seq, n, tok in zip(batch.seqs, batch.num_tokens, tokens):
+            seq.num_cached_tokens += n
+            if tok is None:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.output_token_ids.append(tok)
+            reason = self._finish_reason(seq, tok)
+            if reason:
+                seq.finish_reason, seq.finish_time = reason, now
+                self.scheduler.finish(seq)
+                self.seqs.pop(seq.request_id, None)
+            outputs.append(self.make_output(seq))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            tail = len(text) - max(len(s) for s in p.stop) - 8  # only the newest characters can complete one
+            hits = [i for i in (text.find(s, max(0, tail)) for s in p.stop) if i >= 0]
+            if hits:
+                seq.stop_text_len = min(hits)
+                return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if seq.stop_text_len is not None:
+                text = text[:seq.stop_text_len]
+        metrics = {"num_preemptions": seq.num_preemptions}
+        if seq.first_token_time is not None:
+            metrics["ttft"] = seq.first_token_time - seq.arrival_time
+        if seq.finish_time is not None:
+            metrics["e2el"] = seq.finish_time - seq.arrival_time
+            n = len(seq.output_token_ids)
+            metrics["tpot"] = (seq.finish_time - seq.first_token_time) / (n - 1) if n > 1 else 0.0
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text,
+                             list(seq.output_token_ids), seq.finish_reason, seq.is_finished, metrics)

@@ -1,0 +1,218 @@
+"""Worker side: owns the model and the KV cache, turns a scheduled batch into tensors, runs it.
+
+Decode batches on CUDA replay CUDA graphs captured per bucketed batch size.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from oasiskv.config import EngineConfig
+from oasiskv.engine.sampler import sample
+from oasiskv.engine.scheduler import ScheduledBatch
+from oasiskv.engine.sequence import Sequence
+from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
+from oasiskv.models.llama import LlamaForCausalLM
+from oasiskv.models.loader import iter_weights, resolve_model
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_KV_GB = 2.0
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = pick_device(cfg.device)
+        self.dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.source = resolve_model(cfg.model, cfg.load_format)
+        mc = self.source.config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        self.model_config = mc
+        torch.manual_seed(cfg.seed)
+        self.model = self._load_model()
+        self.block_size = cfg.block_size
+        self.num_kv_heads, self.head_dim = mc.num_kv_heads, mc.head_dim
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.num_pages = self._num_pages()
+        # One tensor for all layers; layer l's pool is kv[l] = [num_pages * Hkv, 2, block_size, head_dim].
+        self.kv = torch.empty(mc.num_layers, self.num_pages * self.num_kv_heads, 2, self.block_size,
+                              self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv.unbind(0))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self._capture_decode_graphs()
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _load_model(self) -> LlamaForCausalLM:
+        mc = self.source.config
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(mc)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.load_weights(iter_weights(self.source, self.dtype, device=self.device))
+        return model.eval().requires_grad_(False)
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        return self.model_config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+
+    def _num_pages(self) -> int:
+        if self.cfg.kv_cache_gb is not None:
+            budget = self.cfg.kv_cache_gb * 2**30
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_GB * 2**30
+        # Never more than every sequence at full length needs.
+        cap = self.cfg.max_num_seqs * self.max_blocks_per_seq
+        return max(0, min(int(budget // self.kv_bytes_per_page), cap))
+
+    def _cuda_kv_budget(self) -> float:
+        """Like vLLM: total * utilization - weights - the activation peak of a full prefill step."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        dummy_kv = [torch.empty(self.num_kv_heads, 2, self.block_size, self.head_dim,
+                                dtype=self.dtype, device=self.device)] * self.model_config.num_layers
+        meta = AttentionMetadata(
+            write_slots=torch.full((n, self.num_kv_heads), -1, dtype=torch.int32, device=self.device),
+            write_offsets=torch.zeros(n, dtype=torch.int32, device=self.device),
+            prefill_chunks=[PrefillChunk(0, n, 0, torch.empty(0, dtype=torch.long, device=self.device))])
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), dummy_kv, meta)
+        self.model.compute_logits(hidden[-self.cfg.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        return total * self.cfg.gpu_memory_utilization - peak - used_by_others - 2**30
+
+    # ---- batch preparation ------------------------------------------------------------
+    def _write_locations(self, seqs_pages: list[list[int]], positions: np.ndarray, owner: np.ndarray):
+        """For each token: the slot of every KV head its K/V goes to, and the offset in the block."""
+        block = positions // self.block_size
+        page = np.array([seqs_pages[o][b] for o, b in zip(owner, block)], dtype=np.int64)
+        slots = page[:, None] * self.num_kv_heads + np.arange(self.num_kv_heads)[None, :]
+        return (torch.from_numpy(slots.astype(np.int32)).to(self.device),
+                torch.from_numpy((positions % self.block_size).astype(np.int32)).to(self.device))
+
+    def prepare_prefill(self, batch: ScheduledBatch):
+        ids, pos, owner, chunks, logits_rows = [], [], [], [], []
+        start = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            c0 = seq.num_cached_tokens
+            ids.extend(seq.token_ids[c0:c0 + n])
+            pos.extend(range(c0, c0 + n))
+            owner.extend([i] * n)
+            used_pages = (c0 + self.block_size - 1) // self.block_size
+            chunks.append(PrefillChunk(start, n, c0, torch.tensor(seq.pages[:used_pages], device=self.device)))
+            start += n
+            if c0 + n == seq.num_tokens:
+                logits_rows.append(start - 1)
+        positions = np.array(pos, dtype=np.int64)
+        slots, offsets = self._write_locations([s.pages for s in batch.seqs], positions, np.array(owner))
+        meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, prefill_chunks=chunks)
+        return (torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device),
+                meta, logits_rows)
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        B, Hkv = len(seqs), self.num_kv_heads
+        positions = np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64)
+        slots, offsets = self._write_locations([s.pages for s in seqs], positions, np.arange(B))
+        nblk = max(len(s.pages) for s in seqs)
+        page_table = np.zeros((B, nblk), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            page_table[i, :len(s.pages)] = s.pages
+        pt = torch.from_numpy(page_table).to(self.device)
+        # Dense request: head h of block j lives at slot page_table[j] * Hkv + h (DESIGN §2).
+        slot_tables = (pt[:, None, :] * Hkv + torch.arange(Hkv, device=self.device)[None, :, None]).int()
+        cache_lens = torch.from_numpy(positions).to(self.device).int()[:, None].expand(B, Hkv).contiguous()
+        meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, slot_tables=slot_tables,
+                                 cache_lens=cache_lens, query_len=1)
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+        return ids, torch.from_numpy(positions).to(self.device), meta
+
+    # ---- execution ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Runs one step; returns the sampled token per sequence (None: mid-prompt chunk)."""
+        if batch.is_prefill:
+            ids, positions, meta, rows = self.prepare_prefill(batch)
+            hidden = self.model(ids, positions, self.kv_caches, meta)[rows]
+            sampling_seqs = [s for s, n in zip(batch.seqs, batch.num_tokens)
+                             if s.num_cached_tokens + n == s.num_tokens]
+        else:
+            hidden = self.run_decode(batch.seqs)
+            sampling_seqs = batch.seqs
+        tokens = []
+        if sampling_seqs:
+            logits = self.model.compute_logits(hidden)
+            tokens = sample(logits, [s.params for s in sampling_seqs],
+                            [s.generator for s in sampling_seqs]).tolist()
+        by_seq = {id(s): t for s, t in zip(sampling_seqs, tokens)}
+        return [by_seq.get(id(s)) for s in batch.seqs]
+
+    def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        ids, positions, meta = self.prepare_decode(seqs)
+        B = len(seqs)
+        bucket = next((b for b in sorted(self.graphs) if b >= B), None)
+        if bucket is None:
+            return self.model(ids, positions, self.kv_caches, meta)
+        s = self.static
+        s["ids"][:B].copy_(ids)
+        s["positions"][:B].copy_(positions)
+        s["write_slots"][:B].copy_(meta.write_slots)
+        s["write_slots"][B:bucket].fill_(-1)  # padding rows write nothing
+        s["write_offsets"][:B].copy_(meta.write_offsets)
+        nblk = meta.slot_tables.shape[2]
+        s["slot_tables"][:B, :, :nblk].copy_(meta.slot_tables)
+        s["cache_lens"][:B].copy_(meta.cache_lens)
+        s["cache_lens"][B:bucket].zero_()
+        self.graphs[bucket].replay()
+        return s["hidden"][:B]
+
+    def _graph_buckets(self) -> list[int]:
+        top = min(self.cfg.max_num_seqs, self.cfg.max_cuda_graph_batch)
+        buckets = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+        return sorted(set(buckets + [top]))
+
+    def _capture_decode_graphs(self) -> None:
+        dev, Hkv, maxB = self.device, self.num_kv_heads, max(self._graph_buckets())
+        s = self.static = {
+            "ids": torch.zeros(maxB, dtype=torch.long, device=dev),
+            "positions": torch.zeros(maxB, dtype=torch.long, device=dev),
+            "write_slots": torch.full((maxB, Hkv), -1, dtype=torch.int32, device=dev),
+            "write_offsets": torch.zeros(maxB, dtype=torch.int32, device=dev),
+            "slot_tables": torch.zeros(maxB, Hkv, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "cache_lens": torch.zeros(maxB, Hkv, dtype=torch.int32, device=dev),
+        }
+        s["hidden"] = torch.zeros(maxB, self.model_config.hidden_size, dtype=self.dtype, device=dev)
+        pool = None
+        for B in sorted(self._graph_buckets(), reverse=True):
+            meta = AttentionMetadata(write_slots=s["write_slots"][:B], write_offsets=s["write_offsets"][:B],
+                                     slot_tables=s["slot_tables"][:B], cache_lens=s["cache_lens"][:B])
+            run = lambda: s["hidden"][:B].copy_(
+                self.model(s["ids"][:B], s["positions"][:B], self.kv_caches, meta))
+            run()  # warm-up compiles the Triton kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                run()
+            pool = graph.pool()
+            self.graphs[B] = graph
+        torch.cuda.synchronize()

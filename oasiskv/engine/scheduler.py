@@ -1,0 +1,102 @@
+"""Continuous batching: decides, each step, which sequences run and how many tokens each.
+
+A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens`) or a
+decode step (one new token for every running sequence). Prefill goes first so new
+requests join the running batch quickly; long prompts are cut into chunks so a 32K
+prompt never needs 32K tokens of activations at once. When pages run out during
+decode the newest running sequence is preempted and later recomputed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from oasiskv.engine.block_manager import BlockManager
+from oasiskv.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # tokens each sequence processes this step
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        bm, budget = self.block_manager, self.max_num_batched_tokens
+        seqs, sizes = [], []
+        for seq in self.running:  # unfinished chunked prefills first
+            if seq.in_prefill and budget > 0:
+                n = min(seq.num_uncached, budget)
+                if bm.can_grow(seq, seq.num_cached_tokens + n):
+                    bm.grow(seq, seq.num_cached_tokens + n)
+                    seqs.append(seq), sizes.append(n)
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncached, budget)
+            if not bm.can_grow(seq, n):
+                break
+            self.waiting.popleft()
+            bm.grow(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq), sizes.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, sizes, True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        bm = self.block_manager
+        seqs = []
+        pending = [s for s in self.running if not s.in_prefill]
+        while pending:
+            seq = pending.pop(0)
+            while not bm.can_grow(seq, seq.num_tokens):
+                victim = pending.pop() if pending else seq
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.grow(seq, seq.num_tokens)
+                seqs.append(seq)
+        if not seqs and self.running:
+            # Only stalled chunked prefills remain and none can grow: free the newest one.
+            self.preempt(self.running[-1])
+            return self._schedule_prefill()
+        return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the pages, queue the tokens again."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,54 @@
+"""A request as the engine tracks it: tokens, pages, state and timing."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from oasiskv.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    pages: list[int] = field(default_factory=list)  # page table: logical block -> page
+    num_cached_tokens: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    stop_text_len: int | None = None  # where a stop string cut the text
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    generator: object = None  # torch.Generator for seeded sampling
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the newest token still needs its K/V computed (fresh or preempted)."""
+        return self.num_uncached > 1 or not self.output_token_ids

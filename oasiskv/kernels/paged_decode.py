@@ -1,0 +1,264 @@
+"""Head-wise paged decode attention: a vectorized torch path (CPU) and a Triton
+flash-decoding kernel (GPU), both matching `paged_decode_ref` (reference.py).
+
+Every (sequence, kv head) attends its own slot list (DESIGN §2), so one kernel serves
+dense and sparse requests. The GPU kernel is split-K ("flash decoding"): the slots of
+one (sequence, head) are cut into `num_splits` ranges handled by separate programs,
+whose partial softmax states are merged, together with the new tokens, by a second kernel.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+
+def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Triton on CUDA tensors, vectorized torch otherwise. Shapes as in `paged_decode_ref`."""
+    if q.is_cuda:
+        return paged_decode_triton(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale)
+    return paged_decode_torch(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale)
+
+
+# --------------------------------------------------------------------------- torch (CPU)
+
+def paged_decode_torch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """All (sequence, head) pairs at once: gather slots into a padded [B, Hkv, L, D], mask
+    positions >= cache_len, one batched matmul + softmax. Math in float32."""
+    B, Q, Hq, D = q.shape
+    Hkv = k_new.shape[2]
+    G = Hq // Hkv
+    num_slots, _, bs, _ = kv_cache.shape
+    # Only gather up to the longest valid list in the batch (one host sync; fine on CPU).
+    nblk = (int(cache_lens.max()) + bs - 1) // bs if cache_lens.numel() else 0
+    L = nblk * bs
+    # Entries past a list's valid count may be -1 or stale: clamp so the gather stays in
+    # bounds; those positions are masked below.
+    slots = slot_tables[:, :, :nblk].long().clamp(0, num_slots - 1).reshape(-1)
+    # Gather K and V separately so each result is contiguous and reshapes for free.
+    keys = kv_cache[:, 0].index_select(0, slots).view(B, Hkv, L, D).float()
+    vals = kv_cache[:, 1].index_select(0, slots).view(B, Hkv, L, D).float()
+
+    # Rows of one kv head: its G query heads x Q tokens, row = g * Q + i.
+    qf = q.float().view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
+    kn = k_new.float().permute(0, 2, 1, 3)  # [B, Hkv, Q, D]
+    vn = v_new.float().permute(0, 2, 1, 3)
+
+    s_cache = torch.matmul(qf, keys.transpose(-1, -2)) * scale  # [B, Hkv, G*Q, L]
+    pos = torch.arange(L, device=q.device)
+    s_cache.masked_fill_((pos >= cache_lens[:, :, None].long())[:, :, None, :], float("-inf"))
+    s_new = torch.matmul(qf, kn.transpose(-1, -2)) * scale  # [B, Hkv, G*Q, Q]
+    qi = torch.arange(Q, device=q.device)
+    causal = (qi[None, :] <= qi[:, None]).repeat(G, 1)  # [G*Q, Q]: query i sees new 0..i
+    s_new.masked_fill_(~causal, float("-inf"))
+
+    # Every row sees at least new token 0, so the softmax never meets an all -inf row.
+    p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
+    out = torch.matmul(p[..., :L], vals) + torch.matmul(p[..., L:], vn)  # [B, Hkv, G*Q, D]
+    out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D)
+    return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------- Triton (GPU)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs run the torch path alone
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+            q_ptr, kv_ptr, slot_ptr, len_ptr, pm_ptr, pl_ptr, pacc_ptr,
+            sq_b, sq_q, sq_h,
+            skv_slot, skv_kv, skv_tok,
+            sst_b, sst_h, sl_b, sl_h,
+            qk_scale, num_splits,
+            G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+            M: tl.constexpr, TILE_BLKS: tl.constexpr,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """One program: (sequence b, kv head h, split s) over a contiguous range of its slots.
+        Rows are the group's G query heads x Q tokens (row r = g * Q + i), padded to M."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        n = tl.load(len_ptr + b * sl_b + h * sl_h)
+        nblk = tl.cdiv(n, BS)
+        # Split range from the real length (on device, so graph replays adapt to it), rounded
+        # to whole tiles so only the last tile of a list is partial.
+        per_split = tl.cdiv(tl.cdiv(nblk, num_splits), TILE_BLKS) * TILE_BLKS
+        blk_lo = s * per_split
+        blk_hi = tl.minimum(blk_lo + per_split, nblk)
+
+        rows = tl.arange(0, M)
+        g = rows // Q
+        i = rows % Q
+        row_ok = rows < G * Q
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sq_b + i[:, None] * sq_q + (h * G + g)[:, None] * sq_h + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if UPCAST:  # bf16 dot is wrong in the interpreter: do it in fp32 there
+            q = q.to(tl.float32)
+        else:
+            q = q.to(kv_ptr.dtype.element_ty)
+
+        t = tl.arange(0, TILE_BLKS * BS)  # token index inside one tile
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        slot_row = slot_ptr + b * sst_b + h * sst_h
+        for blk0 in range(blk_lo, blk_hi, TILE_BLKS):
+            blk = blk0 + t // BS
+            tok = blk * BS + t % BS
+            ok = (blk < blk_hi) & (tok < n)
+            slot = tl.load(slot_row + blk, mask=blk < blk_hi, other=0).to(tl.int64)
+            base = kv_ptr + slot[:, None] * skv_slot + (t % BS)[:, None] * skv_tok + d[None, :]
+            k = tl.load(base, mask=ok[:, None], other=0.0)
+            v = tl.load(base + skv_kv, mask=ok[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            # Scores in the log2 domain (scale * log2 e folded in) so exp2 is used throughout.
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            # Each tile holds >= 1 valid token, so m_new is finite and alpha never NaN.
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        # Partials of an empty split are never read: the merge stops at the last valid split.
+        part = (b * tl.num_programs(1) + h) * num_splits + s
+        tl.store(pm_ptr + part * M + rows, m_i, mask=row_ok)
+        tl.store(pl_ptr + part * M + rows, l_i, mask=row_ok)
+        tl.store(pacc_ptr + (part * M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _decode_merge_kernel(
+            q_ptr, kn_ptr, vn_ptr, len_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr,
+            sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
+            sl_b, sl_h, qk_scale, num_splits,
+            G: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
+            BS: tl.constexpr, M: tl.constexpr, MS: tl.constexpr, TILE_BLKS: tl.constexpr):
+        """One program per (sequence, kv head): merge the valid splits' (m, l, acc), then
+        attend the Q new tokens (causal: query i sees new tokens 0..i) and normalise."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        n = tl.load(len_ptr + b * sl_b + h * sl_h)
+        nblk = tl.cdiv(n, BS)
+        per_split = tl.cdiv(tl.cdiv(nblk, num_splits), TILE_BLKS) * TILE_BLKS
+        n_valid = tl.cdiv(nblk, tl.maximum(per_split, 1))  # same split ranges as the first kernel
+
+        rows = tl.arange(0, MS)  # MS: rows padded to a power of two (no tl.dot here)
+        row_ok = rows < G * Q
+        d = tl.arange(0, D)
+        m_c = tl.full([MS], float("-inf"), tl.float32)
+        l_c = tl.zeros([MS], tl.float32)
+        acc = tl.zeros([MS, D], tl.float32)
+        part0 = (b * tl.num_programs(1) + h) * num_splits
+        for s in range(0, n_valid):
+            off = (part0 + s) * M + rows
+            m_s = tl.load(pm_ptr + off, mask=row_ok, other=0.0)
+            l_s = tl.load(pl_ptr + off, mask=row_ok, other=0.0)
+            a_s = tl.load(pacc_ptr + off[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            m_new = tl.maximum(m_c, m_s)
+            alpha = tl.exp2(m_c - m_new)
+            beta = tl.exp2(m_s - m_new)
+            l_c = l_c * alpha + l_s * beta
+            acc = acc * alpha[:, None] + a_s * beta[:, None]
+            m_c = m_new
+
+        # New tokens: at most 4, so broadcast-multiply-sum instead of tl.dot.
+        g = rows // Q
+        i = rows % Q
+        q = tl.load(q_ptr + b * sq_b + i[:, None] * sq_q + (h * G + g)[:, None] * sq_h + d[None, :],
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        j = tl.arange(0, QP)
+        kn = tl.load(kn_ptr + b * skn_b + j[:, None] * skn_q + h * skn_h + d[None, :],
+                     mask=(j < Q)[:, None], other=0.0).to(tl.float32)
+        vn = tl.load(vn_ptr + b * svn_b + j[:, None] * svn_q + h * svn_h + d[None, :],
+                     mask=(j < Q)[:, None], other=0.0).to(tl.float32)
+        sc = tl.sum(q[:, None, :] * kn[None, :, :], 2) * qk_scale  # [MS, QP]
+        sc = tl.where((j[None, :] <= i[:, None]) & (j[None, :] < Q), sc, float("-inf"))
+        m_f = tl.maximum(m_c, tl.max(sc, 1))  # finite: new token 0 is always visible
+        alpha = tl.exp2(m_c - m_f)
+        p = tl.exp2(sc - m_f[:, None])
+        l_f = l_c * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vn[None, :, :], 1)
+        out = acc / l_f[:, None]
+        tl.store(out_ptr + b * so_b + i[:, None] * so_q + (h * G + g)[:, None] * so_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch_heads: int, max_blocks: int, num_sms: int,
+                      tile_blocks: int = 4, min_tiles_per_split: int = 4, max_splits: int = 64) -> int:
+    """Splits per (sequence, kv head), from static sizes only (graph capture: no host sync).
+
+    Aim for about 8 programs per SM so small batches fill the GPU and the last wave is a
+    small fraction of the work; keep each split at least a few tiles long so the merge
+    stays negligible next to the KV reads."""
+    want = math.ceil(8 * num_sms / max(batch_heads, 1))
+    most = max(1, max_blocks // (tile_blocks * min_tiles_per_split))
+    return max(1, min(want, most, max_splits))
+
+
+def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                        kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
+                        scale: float, num_splits: int | None = None, tile_blocks: int = 4,
+                        num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """Split-K flash decoding; same contract as `paged_decode_ref`. CUDA-graph capturable:
+    launch sizes come from tensor shapes only, the valid lengths are read on device."""
+    B, Q, Hq, D = q.shape
+    Hkv = k_new.shape[2]
+    G = Hq // Hkv
+    bs = kv_cache.shape[2]
+    assert Hq == G * Hkv and 1 <= Q <= 4 and D in (64, 128) and bs & (bs - 1) == 0
+    assert kv_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_new.stride(-1) == 1 \
+        and v_new.stride(-1) == 1
+    max_blocks = slot_tables.shape[2]
+    if num_splits is None:
+        sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+        num_splits = choose_num_splits(B * Hkv, max_blocks, sms, tile_blocks)
+    M = max(16, triton.next_power_of_2(G * Q))  # tl.dot needs >= 16 rows
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    upcast = interpret and kv_cache.dtype == torch.bfloat16
+    precision = "ieee" if (upcast or kv_cache.dtype == torch.float32) else "tf32"
+    qk_scale = scale * LOG2E
+
+    pm = torch.empty(B, Hkv, num_splits, M, device=q.device, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(B, Hkv, num_splits, M, D, device=q.device, dtype=torch.float32)
+    _decode_split_kernel[(B, Hkv, num_splits)](
+        q, kv_cache, slot_tables, cache_lens, pm, pl, pacc,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        slot_tables.stride(0), slot_tables.stride(1), cache_lens.stride(0), cache_lens.stride(1),
+        qk_scale, num_splits,
+        G=G, Q=Q, D=D, BS=bs, M=M, TILE_BLKS=tile_blocks, UPCAST=upcast, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages)
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(B, Hkv)](
+        q, k_new, v_new, cache_lens, pm, pl, pacc, out,
+        q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        cache_lens.stride(0), cache_lens.stride(1), qk_scale, num_splits,
+        G=G, Q=Q, QP=triton.next_power_of_2(Q), D=D, BS=bs, M=M,
+        MS=triton.next_power_of_2(G * Q), TILE_BLKS=tile_blocks, num_warps=4)
+    return out

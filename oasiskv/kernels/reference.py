@@ -1,0 +1,62 @@
+"""Torch references of the attention kernels: the semantics every fast kernel must match.
+
+KV cache layout (DESIGN §2): per layer one tensor `kv_cache[num_slots, 2, block_size, head_dim]`
+where slot = page * num_kv_heads + kv_head and [:, 0] is K, [:, 1] is V. One slot is one
+contiguous (page, head) item holding K and V of `block_size` tokens, the same item the host
+pool stores, so a host -> GPU transfer is one contiguous copy per item.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 write_slots: torch.Tensor, write_offsets: torch.Tensor) -> None:
+    """Write new tokens' K/V into their slots.
+
+    k, v: [T, Hkv, D]; write_slots: [T, Hkv] int (slot id, or -1 to skip, e.g. a draft token);
+    write_offsets: [T] int, position of the token inside its block.
+    """
+    T, H, _ = k.shape
+    slots = write_slots.long()
+    offsets = write_offsets.long()[:, None].expand(T, H)
+    keep = slots >= 0
+    s, o = slots[keep], offsets[keep]
+    kv_cache[s, 0, o] = k[keep].to(kv_cache.dtype)
+    kv_cache[s, 1, o] = v[keep].to(kv_cache.dtype)
+
+
+def paged_decode_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Head-wise paged attention for 1..Q new query tokens per sequence.
+
+    q: [B, Q, Hq, D]; k_new, v_new: [B, Q, Hkv, D] (the new tokens' own K/V, not read from the cache);
+    slot_tables: [B, Hkv, max_blocks] int32 slot ids; cache_lens: [B, Hkv] int32 tokens of cache
+    each (sequence, kv head) attends, in slot order (block j of the list holds tokens
+    j*bs .. j*bs+bs-1; only the last may be partial).
+    Query i attends every cached token of its head plus new tokens 0..i (causal among the new).
+    Returns [B, Q, Hq, D] in q's dtype; math in float32.
+    """
+    B, Q, Hq, D = q.shape
+    Hkv = k_new.shape[2]
+    G = Hq // Hkv
+    bs = kv_cache.shape[2]
+    out = torch.empty_like(q)
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=q.device).tril()
+    for b in range(B):
+        for h in range(Hkv):
+            n = int(cache_lens[b, h])
+            nblk = (n + bs - 1) // bs
+            slots = slot_tables[b, h, :nblk].long()
+            kc = kv_cache[slots, 0].reshape(-1, D)[:n].float()
+            vc = kv_cache[slots, 1].reshape(-1, D)[:n].float()
+            keys = torch.cat([kc, k_new[b, :, h].float()])  # [n + Q, D]
+            vals = torch.cat([vc, v_new[b, :, h].float()])
+            qh = q[b, :, h * G:(h + 1) * G].float().transpose(0, 1)  # [G, Q, D]
+            scores = (qh @ keys.T) * scale  # [G, Q, n + Q]
+            mask = torch.cat([torch.ones(Q, n, dtype=torch.bool, device=q.device), causal], dim=1)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.softmax(scores, dim=-1) @ vals  # [G, Q, D]
+            out[b, :, h * G:(h + 1) * G] = o.transpose(0, 1).to(q.dtype)
+    return out
