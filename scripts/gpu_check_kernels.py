@@ -1,0 +1,201 @@
+"""Check the Triton attention kernels against their references on a GPU, then time the
+decode kernel as a fraction of the HBM byte roofline.
+
+    PYTHONPATH=. python3 scripts/gpu_check_kernels.py [--quick] [--sweep]
+
+Checks (bf16, fp16, fp32): store_kv_triton == store_kv_ref exactly; paged_decode_triton vs
+paged_decode_ref at small shapes and vs paged_decode_torch at realistic ones (B=16, Hkv=8,
+G=4, D=128, contexts 1K/16K/32K), pass when ||out - ref|| / ||ref|| < 1e-2 (bf16) and every
+output element was written (outputs are NaN-poisoned first); a CUDA-graph replay after the
+lengths and slot contents change. Timing: CUDA-graph replays under triton.testing.do_bench
+(median, L2 flushed between runs) at B in {1, 16, 64}, contexts {4K, 16K, 32K}, Qwen3-8B heads
+(Hq=32, Hkv=8, D=128, bf16). The table goes to stdout and, if $OUT is set, $OUT/kernels.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+from oasiskv.kernels.paged_decode import choose_num_splits, paged_decode_torch, paged_decode_triton
+from oasiskv.kernels.reference import paged_decode_ref, store_kv_ref
+from oasiskv.kernels.store_kv import store_kv_triton
+
+PEAK_TBS = 4.25  # DESIGN §7: measured device-to-device copy on the H200
+BS, HQ, HKV, D = 16, 32, 8, 128  # Qwen3-8B attention heads
+DEV = "cuda"
+results = {"checks": [], "sweep": [], "table": []}
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def decode_inputs(B, Hkv, G, Q, max_blocks, dtype, lens, pool=None, seed=0):
+    """Random inputs; slots scattered over the pool by randperm, unused table entries -1."""
+    torch.manual_seed(seed)
+    if pool is None:
+        pool = torch.randn(B * Hkv * max_blocks + 11, 2, BS, D, device=DEV, dtype=dtype)
+    n = B * Hkv * max_blocks
+    slot_tables = torch.randperm(pool.shape[0], device=DEV)[:n].view(B, Hkv, max_blocks).int()
+    cache_lens = torch.as_tensor(lens, device=DEV).view(B, Hkv).int()
+    used = (cache_lens[:, :, None] + BS - 1) // BS
+    slot_tables[torch.arange(max_blocks, device=DEV)[None, None] >= used] = -1
+    q = torch.randn(B, Q, G * Hkv, D, device=DEV, dtype=dtype)
+    k_new = torch.randn(B, Q, Hkv, D, device=DEV, dtype=dtype)
+    v_new = torch.randn(B, Q, Hkv, D, device=DEV, dtype=dtype)
+    return q, k_new, v_new, pool, slot_tables, cache_lens
+
+
+def random_lens(B, Hkv, ctx):
+    """Lengths in [ctx/2, ctx], with one empty list, one of 1 token and one full list."""
+    lens = torch.randint(ctx // 2, ctx + 1, (B * Hkv,))
+    lens[0], lens[-1] = 0, ctx
+    if lens.numel() > 2:
+        lens[1] = 1
+    return lens
+
+
+def record(name, err, tol, written=True):
+    ok = err < tol and written
+    results["checks"].append({"name": name, "rel_err": err, "tol": tol, "written": written, "ok": ok})
+    print(f"{'PASS' if ok else 'FAIL'} {name:<48} rel_err {err:.2e} (tol {tol:.0e})"
+          + ("" if written else " UNWRITTEN OUTPUT"))
+
+
+def check_decode(B, Hkv, G, Q, ctx, dtype, big=False, **kw):
+    max_blocks = (ctx + BS - 1) // BS
+    args = decode_inputs(B, Hkv, G, Q, max_blocks, dtype, random_lens(B, Hkv, ctx), seed=ctx + G)
+    out = torch.full_like(args[0], float("nan"))  # poison: every element must be written
+    paged_decode_triton(*args, D ** -0.5, out=out, **kw)
+    ref = (paged_decode_torch if big else paged_decode_ref)(*args, D ** -0.5)
+    tol = 1e-2 if dtype == torch.bfloat16 else 3e-3
+    name = f"decode {str(dtype)[6:]} B{B} Hkv{Hkv} G{G} Q{Q} ctx{ctx}" + (f" {kw}" if kw else "")
+    record(name, rel_err(out.nan_to_num(1e4), ref), tol, not out.isnan().any().item())
+
+
+def check_store(dtype, T=64, Hkv=8):
+    pool = torch.randn(T * Hkv + 5, 2, BS, D, device=DEV, dtype=dtype)
+    k = torch.randn(T, Hkv, D, device=DEV, dtype=dtype)
+    v = torch.randn(T, Hkv, D, device=DEV, dtype=dtype)
+    slots = torch.randperm(pool.shape[0], device=DEV)[:T * Hkv].view(T, Hkv).int()
+    slots[::7] = -1
+    offsets = torch.randint(0, BS, (T,), device=DEV).int()
+    expect = pool.clone()
+    store_kv_ref(expect, k, v, slots, offsets)
+    store_kv_triton(pool, k, v, slots, offsets)
+    record(f"store_kv {str(dtype)[6:]} T{T} Hkv{Hkv}", (pool.float() - expect.float()).abs().max().item(), 1e-30)
+
+
+def check_graph_replay(dtype=torch.bfloat16, B=4, G=4, Q=2, ctx=2048):
+    """Capture once, then change lengths, slot tables and cache contents in place: a replay
+    must see the new values (they are read on device, nothing baked in at capture)."""
+    max_blocks = ctx // BS
+    args = decode_inputs(B, HKV, G, Q, max_blocks, dtype, random_lens(B, HKV, ctx))
+    out = torch.empty_like(args[0])
+    paged_decode_triton(*args, D ** -0.5, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_triton(*args, D ** -0.5, out=out)
+    fresh = decode_inputs(B, HKV, G, Q, max_blocks, dtype, random_lens(B, HKV, ctx), seed=7)
+    for static, new in zip(args, fresh):
+        if static is not new:
+            static.copy_(new)
+    out.fill_(float("nan"))
+    graph.replay()
+    ref = paged_decode_ref(*args, D ** -0.5)
+    record(f"graph replay {str(dtype)[6:]} B{B} G{G} Q{Q}", rel_err(out.nan_to_num(1e4), ref), 1e-2,
+           not out.isnan().any().item())
+
+
+def time_decode(pool, B, ctx, cfg, num_splits=None, G=HQ // HKV, Q=1):
+    """Median microseconds of one graph replay, and the KV bytes it reads."""
+    max_blocks = ctx // BS
+    args = decode_inputs(B, HKV, G, Q, max_blocks, torch.bfloat16, [ctx] * (B * HKV), pool=pool)
+    out = torch.empty_like(args[0])
+    run = lambda: paged_decode_triton(*args, D ** -0.5, num_splits=num_splits, out=out, **cfg)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    us = triton.testing.do_bench(graph.replay, warmup=20, rep=60, return_mode="median") * 1e3
+    kv_bytes = B * HKV * ctx * 2 * D * 2  # K and V, bf16
+    return us, kv_bytes
+
+
+def row(B, ctx, splits, us, kv_bytes, extra=None):
+    gbs = kv_bytes / us / 1e3
+    r = {"B": B, "ctx": ctx, "splits": splits, "us": round(us, 1), "kv_MB": round(kv_bytes / 1e6, 1),
+         "GB_s": round(gbs), "frac_peak": round(gbs / (PEAK_TBS * 1e3), 3)}
+    r.update(extra or {})
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="checks only, no timing")
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile/warps/stages/splits")
+    opts = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+
+    # -- correctness
+    for dtype in (torch.bfloat16, torch.float16):
+        check_store(dtype)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for G, Q, ctx in [(1, 1, 300), (3, 2, 700), (4, 1, 1000), (8, 4, 257)]:
+            check_decode(3, 2, G, Q, ctx, dtype)
+    check_decode(2, 2, 4, 2, 4000, torch.bfloat16, num_splits=1)
+    check_decode(2, 2, 4, 1, 4000, torch.bfloat16, num_splits=64)
+    check_decode(2, 2, 4, 2, 1000, torch.float16, tile_blocks=8, num_warps=8)
+    for ctx in (1024, 16384, 32768):
+        check_decode(16, HKV, 4, 1, ctx, torch.bfloat16, big=True)
+    check_decode(16, HKV, 4, 2, 16384, torch.float16, big=True)
+    check_graph_replay()
+    n_fail = sum(not c["ok"] for c in results["checks"])
+
+    if not opts.quick:
+        ctxs, batches = (4096, 16384, 32768), (1, 16, 64)
+        pool = torch.randn(max(batches) * HKV * max(ctxs) // BS + 64, 2, BS, D, device=DEV,
+                           dtype=torch.bfloat16)  # 8.6 GB: every timed slot list is scattered in it
+        best = {}
+        if opts.sweep:
+            configs = [dict(tile_blocks=t, num_warps=w, num_stages=s)
+                       for t, w, s in [(4, 4, 2), (4, 4, 3), (4, 4, 4), (8, 4, 3), (8, 8, 3),
+                                       (8, 8, 4), (2, 4, 4), (16, 8, 3)]]
+            for cfg in configs:
+                us, nbytes = time_decode(pool, 16, 32768, cfg)
+                results["sweep"].append(row(16, 32768, "auto", us, nbytes, cfg))
+                print("sweep", results["sweep"][-1])
+            best = {k: results["sweep"][min(range(len(configs)), key=lambda i: results["sweep"][i]["us"])][k]
+                    for k in ("tile_blocks", "num_warps", "num_stages")}
+            for B in (1, 16, 64):
+                for splits in (1, 2, 4, 8, 16, 32, 64):
+                    us, nbytes = time_decode(pool, B, 32768, best, num_splits=splits)
+                    results["sweep"].append(row(B, 32768, splits, us, nbytes, best))
+                    print("sweep", results["sweep"][-1])
+        print(f"\npaged_decode_triton, Hq={HQ} Hkv={HKV} D={D} bf16, Q=1, config {best or 'default'}")
+        print(f"{'B':>4} {'ctx':>6} {'splits':>6} {'time us':>9} {'KV MB':>9} {'GB/s':>7} {'of 4.25TB/s':>11}")
+        for B in batches:
+            for ctx in ctxs:
+                us, nbytes = time_decode(pool, B, ctx, best)
+                splits = choose_num_splits(B * HKV, ctx // BS, props.multi_processor_count,
+                                           best.get("tile_blocks", 4))
+                r = row(B, ctx, splits, us, nbytes)
+                results["table"].append(r)
+                print(f"{B:>4} {ctx:>6} {splits:>6} {r['us']:>9.1f} {r['kv_MB']:>9.1f} {r['GB_s']:>7} "
+                      f"{r['frac_peak']:>11.1%}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "kernels.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"\n{len(results['checks']) - n_fail}/{len(results['checks'])} checks passed")
+    sys.exit(1 if n_fail else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Attention kernels against their torch references (reference.py), on random inputs.
+
+The vectorized torch path is compared directly. The Triton kernels run under Triton's CPU
+interpreter (DESIGN §6), which must be switched on before triton is imported: they run in
+one subprocess (this file executed as a script with TRITON_INTERPRET=1), so other test
+modules in the same pytest process keep a normal triton. Interpreter cases use float16 and
+float32 only: the interpreter's bf16 tl.dot is wrong; bf16 is checked on the GPU machine
+(scripts/gpu_check_kernels.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # when run as a script by the interpreter subprocess
+    sys.path.insert(0, str(REPO))
+
+from oasiskv.kernels.reference import paged_decode_ref, store_kv_ref  # noqa: E402
+
+# Output tolerance by dtype: float32 math everywhere, so the gap is the output rounding
+# (fp16/bf16) plus, in Triton, P cast to the cache dtype before the P @ V dot.
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def make_decode_inputs(B, Hkv, G, Q, D, max_blocks, dtype, bs=16, lens=None, seed=0):
+    """Random q/k/v/cache, slots scattered by randperm, unused table entries set to -1,
+    and cache lengths covering 0, 1, a partial last block, a full block and the maximum."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = B * Hkv * max_blocks + 5
+    kv_cache = torch.randn(num_slots, 2, bs, D, generator=gen).to(dtype)
+    slot_tables = torch.randperm(num_slots, generator=gen)[:B * Hkv * max_blocks]
+    slot_tables = slot_tables.view(B, Hkv, max_blocks).to(torch.int32)
+    if lens is None:
+        special = [0, 1, bs + 3, bs, max_blocks * bs]
+        lens = torch.randint(0, max_blocks * bs + 1, (B * Hkv,), generator=gen)
+        lens[:len(special)] = torch.tensor(special[:B * Hkv])
+        lens = lens[torch.randperm(B * Hkv, generator=gen)]
+    cache_lens = torch.as_tensor(lens, dtype=torch.int32).view(B, Hkv)
+    used = (cache_lens[:, :, None] + bs - 1) // bs
+    slot_tables[torch.arange(max_blocks)[None, None, :] >= used] = -1  # must never be read
+    q = torch.randn(B, Q, G * Hkv, D, generator=gen).to(dtype)
+    k_new = torch.randn(B, Q, Hkv, D, generator=gen).to(dtype)
+    v_new = torch.randn(B, Q, Hkv, D, generator=gen).to(dtype)
+    return q, k_new, v_new, kv_cache, slot_tables, cache_lens
+
+
+def make_store_inputs(T, Hkv, D, dtype, bs=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = T * Hkv + 3
+    kv_cache = torch.randn(num_slots, 2, bs, D, generator=gen).to(dtype)
+    k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
+    write_slots = torch.randperm(num_slots, generator=gen)[:T * Hkv].view(T, Hkv).to(torch.int32)
+    write_slots[-1] = -1  # e.g. a draft token: not stored
+    write_offsets = torch.randint(0, bs, (T,), generator=gen).to(torch.int32)
+    return kv_cache, k, v, write_slots, write_offsets
+
+
+# ----------------------------------------------------------------- torch path vs reference
+
+TORCH_CASES = [  # B, Hkv, G, Q, D, max_blocks, dtype
+    (3, 2, 3, 1, 64, 7, torch.float32),
+    (2, 3, 4, 2, 64, 9, torch.float32),
+    (4, 1, 1, 4, 128, 3, torch.float32),
+    (2, 2, 8, 2, 128, 40, torch.float32),  # more than one chunk of 32 blocks
+    (2, 3, 3, 2, 64, 5, torch.bfloat16),
+    (3, 2, 4, 1, 128, 6, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", TORCH_CASES, ids=str)
+def test_paged_decode_torch_matches_ref(case):
+    from oasiskv.kernels.paged_decode import paged_decode_torch
+    B, Hkv, G, Q, D, max_blocks, dtype = case
+    args = make_decode_inputs(B, Hkv, G, Q, D, max_blocks, dtype, seed=B * 100 + G)
+    scale = D ** -0.5
+    out = paged_decode_torch(*args, scale)
+    ref = paged_decode_ref(*args, scale)
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_dispatch_on_cpu_uses_torch_paths():
+    from oasiskv.kernels.paged_decode import paged_decode
+    from oasiskv.kernels.store_kv import store_kv
+    args = make_decode_inputs(2, 2, 2, 2, 64, 4, torch.float32)
+    torch.testing.assert_close(paged_decode(*args, 0.1), paged_decode_ref(*args, 0.1),
+                               rtol=1e-4, atol=1e-5)
+    cache, k, v, slots, offsets = make_store_inputs(4, 2, 64, torch.float32)
+    expect = cache.clone()
+    store_kv_ref(expect, k, v, slots, offsets)
+    store_kv(cache, k, v, slots, offsets)
+    assert torch.equal(cache, expect)
+
+
+# ----------------------------------------------------------------- Triton under the interpreter
+
+DECODE_CASES = {  # id: (B, Hkv, G, Q, D, max_blocks, dtype, num_splits)
+    "g1_q1_fp32_split2": (2, 2, 1, 1, 64, 5, torch.float32, 2),
+    "g3_q2_fp16_split3": (2, 2, 3, 2, 64, 6, torch.float16, 3),
+    "g4_q2_d128_fp32_auto": (2, 1, 4, 2, 128, 4, torch.float32, None),
+    "g4_q4_fp16_split4": (1, 3, 4, 4, 64, 9, torch.float16, 4),
+    "g8_q4_fp32_split1": (1, 2, 8, 4, 64, 3, torch.float32, 1),
+}
+STORE_CASES = {"fp32_d64": (5, 3, 64, torch.float32), "fp16_d128": (4, 2, 128, torch.float16)}
+
+
+def run_interpreter_cases() -> dict[str, float]:
+    """Runs in the TRITON_INTERPRET=1 subprocess: max abs error of each case vs its reference."""
+    from oasiskv.kernels.paged_decode import paged_decode_triton
+    from oasiskv.kernels.store_kv import store_kv_triton
+    errors = {}
+    for name, (B, Hkv, G, Q, D, max_blocks, dtype, splits) in DECODE_CASES.items():
+        args = make_decode_inputs(B, Hkv, G, Q, D, max_blocks, dtype, seed=len(name))
+        out = paged_decode_triton(*args, D ** -0.5, num_splits=splits)
+        ref = paged_decode_ref(*args, D ** -0.5)
+        errors["decode_" + name] = (out.float() - ref.float()).abs().max().item()
+    for name, (T, Hkv, D, dtype) in STORE_CASES.items():
+        cache, k, v, slots, offsets = make_store_inputs(T, Hkv, D, dtype)
+        expect = cache.clone()
+        store_kv_ref(expect, k, v, slots, offsets)
+        store_kv_triton(cache, k, v, slots, offsets)
+        errors["store_" + name] = (cache.float() - expect.float()).abs().max().item()
+    return errors
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES), ids=str)
+def test_paged_decode_triton_interpreter(interpreter_errors, name):
+    assert interpreter_errors["decode_" + name] < TOL[DECODE_CASES[name][6]]
+
+
+@pytest.mark.parametrize("name", list(STORE_CASES), ids=str)
+def test_store_kv_triton_interpreter(interpreter_errors, name):
+    assert interpreter_errors["store_" + name] == 0.0
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
+    print(json.dumps(run_interpreter_cases()))
