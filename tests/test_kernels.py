@@ -102,12 +102,14 @@ def test_dispatch_on_cpu_uses_torch_paths():
 
 # ----------------------------------------------------------------- Triton under the interpreter
 
-DECODE_CASES = {  # id: (B, Hkv, G, Q, D, max_blocks, dtype, num_splits)
-    "g1_q1_fp32_split2": (2, 2, 1, 1, 64, 5, torch.float32, 2),
-    "g3_q2_fp16_split3": (2, 2, 3, 2, 64, 6, torch.float16, 3),
-    "g4_q2_d128_fp32_auto": (2, 1, 4, 2, 128, 4, torch.float32, None),
-    "g4_q4_fp16_split4": (1, 3, 4, 4, 64, 9, torch.float16, 4),
-    "g8_q4_fp32_split1": (1, 2, 8, 4, 64, 3, torch.float32, 1),
+DECODE_CASES = {  # id: (B, Hkv, G, Q, D, max_blocks, dtype, kernel options)
+    "g1_q1_fp32_split2": (2, 2, 1, 1, 64, 5, torch.float32, dict(num_splits=2)),
+    "g3_q2_fp16_split3": (2, 2, 3, 2, 64, 6, torch.float16, dict(num_splits=3)),
+    "g4_q2_d128_fp32_auto": (2, 1, 4, 2, 128, 4, torch.float32, {}),
+    "g4_q4_fp16_split4": (1, 3, 4, 4, 64, 9, torch.float16, dict(num_splits=4)),
+    "g8_q4_fp32_split1": (1, 2, 8, 4, 64, 3, torch.float32, dict(num_splits=1)),
+    # several tiles per split, partial tiles at split ends
+    "g2_q1_fp16_tile2_split2": (2, 2, 2, 1, 64, 11, torch.float16, dict(num_splits=2, tile_blocks=2)),
 }
 STORE_CASES = {"fp32_d64": (5, 3, 64, torch.float32), "fp16_d128": (4, 2, 128, torch.float16)}
 
@@ -117,9 +119,9 @@ def run_interpreter_cases() -> dict[str, float]:
     from oasiskv.kernels.paged_decode import paged_decode_triton
     from oasiskv.kernels.store_kv import store_kv_triton
     errors = {}
-    for name, (B, Hkv, G, Q, D, max_blocks, dtype, splits) in DECODE_CASES.items():
+    for name, (B, Hkv, G, Q, D, max_blocks, dtype, options) in DECODE_CASES.items():
         args = make_decode_inputs(B, Hkv, G, Q, D, max_blocks, dtype, seed=len(name))
-        out = paged_decode_triton(*args, D ** -0.5, num_splits=splits)
+        out = paged_decode_triton(*args, D ** -0.5, **options)
         ref = paged_decode_ref(*args, D ** -0.5)
         errors["decode_" + name] = (out.float() - ref.float()).abs().max().item()
     for name, (T, Hkv, D, dtype) in STORE_CASES.items():

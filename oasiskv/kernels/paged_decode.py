@@ -36,7 +36,7 @@ def paged_decode_torch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
 
     The slot lists are walked in chunks of `chunk_blocks` with an online softmax rather than
     gathered whole: whole-context temporaries (50 MB at B=8, 4K tokens) are fresh allocations
-    that page-fault on every call and fall out of cache; chunked, this runs ~3x faster on CPU."""
+    that page-fault on every call and fall out of cache; chunked, it ran 2-4x faster on 2 cores."""
     B, Q, Hq, D = q.shape
     Hkv = k_new.shape[2]
     G = Hq // Hkv
@@ -163,60 +163,62 @@ if triton is not None:
     def _decode_merge_kernel(
             q_ptr, kn_ptr, vn_ptr, len_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr,
             sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
-            sl_b, sl_h, qk_scale,
-            NUM_SPLITS: tl.constexpr, G: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr,
-            D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, MS: tl.constexpr,
-            TILE_BLKS: tl.constexpr):
+            sl_b, sl_h, qk_scale, num_splits,
+            G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+            M: tl.constexpr, MS: tl.constexpr, SC: tl.constexpr, TILE_BLKS: tl.constexpr):
         """One program per (sequence, kv head): merge the valid splits' (m, l, acc), then
         attend the Q new tokens (causal: query i sees new tokens 0..i) and normalise."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(len_ptr + b * sl_b + h * sl_h)
         nblk = tl.cdiv(n, BS)
-        per_split = tl.cdiv(tl.cdiv(nblk, NUM_SPLITS), TILE_BLKS) * TILE_BLKS
+        per_split = tl.cdiv(tl.cdiv(nblk, num_splits), TILE_BLKS) * TILE_BLKS
         n_valid = tl.cdiv(nblk, tl.maximum(per_split, 1))  # same split ranges as the first kernel
 
-        rows = tl.arange(0, MS)  # MS: rows padded to a power of two (no tl.dot here)
+        rows = tl.arange(0, MS)  # MS: rows padded to a power of two only (no tl.dot here)
         row_ok = rows < G * Q
         d = tl.arange(0, D)
         m_c = tl.full([MS], float("-inf"), tl.float32)
         l_c = tl.zeros([MS], tl.float32)
         acc = tl.zeros([MS, D], tl.float32)
-        part0 = (b * tl.num_programs(1) + h) * NUM_SPLITS
-        # Unrolled (NUM_SPLITS is static) so the partials' loads can all be in flight at once;
-        # a run-time loop here would pay one memory latency per split.
-        for s in tl.static_range(NUM_SPLITS):
-            ok = row_ok & (s < n_valid)  # splits past the list's end were never written
-            off = (part0 + s) * M + rows
+        part0 = (b * tl.num_programs(1) + h) * num_splits
+        # SC splits per iteration, so their loads are in flight together (one memory latency
+        # per SC splits, not per split).
+        sc = tl.arange(0, SC)
+        for s0 in range(0, n_valid, SC):
+            ok = ((s0 + sc) < n_valid)[:, None] & row_ok[None, :]  # [SC, MS]
+            off = (part0 + s0 + sc)[:, None] * M + rows[None, :]
             m_s = tl.load(pm_ptr + off, mask=ok, other=float("-inf"))
             l_s = tl.load(pl_ptr + off, mask=ok, other=0.0)
-            a_s = tl.load(pacc_ptr + off[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            m_new = tl.maximum(m_c, m_s)
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid inf - inf
-            alpha = tl.exp2(m_c - m_new)
-            beta = tl.exp2(m_s - m_new)
-            l_c = l_c * alpha + l_s * beta
-            acc = acc * alpha[:, None] + a_s * beta[:, None]
-            m_c = tl.maximum(m_c, m_s)
+            a_s = tl.load(pacc_ptr + off[:, :, None] * D + d[None, None, :], mask=ok[:, :, None],
+                          other=0.0)
+            m_new = tl.maximum(m_c, tl.max(m_s, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows: avoid inf - inf
+            alpha = tl.exp2(m_c - m_ref)
+            w = tl.exp2(m_s - m_ref[None, :])  # [SC, MS], 0 where masked
+            l_c = l_c * alpha + tl.sum(w * l_s, 0)
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a_s, 0)
+            m_c = m_new
 
-        # New tokens: at most 4, so broadcast-multiply-sum instead of tl.dot.
+        # The new tokens (at most 4), one at a time with the same online update.
         g = rows // Q
         i = rows % Q
         q = tl.load(q_ptr + b * sq_b + i[:, None] * sq_q + (h * G + g)[:, None] * sq_h + d[None, :],
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
-        j = tl.arange(0, QP)
-        kn = tl.load(kn_ptr + b * skn_b + j[:, None] * skn_q + h * skn_h + d[None, :],
-                     mask=(j < Q)[:, None], other=0.0).to(tl.float32)
-        vn = tl.load(vn_ptr + b * svn_b + j[:, None] * svn_q + h * svn_h + d[None, :],
-                     mask=(j < Q)[:, None], other=0.0).to(tl.float32)
-        sc = tl.sum(q[:, None, :] * kn[None, :, :], 2) * qk_scale  # [MS, QP]
-        sc = tl.where((j[None, :] <= i[:, None]) & (j[None, :] < Q), sc, float("-inf"))
-        m_f = tl.maximum(m_c, tl.max(sc, 1))  # finite: new token 0 is always visible
-        alpha = tl.exp2(m_c - m_f)
-        p = tl.exp2(sc - m_f[:, None])
-        l_f = l_c * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vn[None, :, :], 1)
-        out = acc / l_f[:, None]
+        for j in tl.static_range(Q):
+            kn = tl.load(kn_ptr + b * skn_b + j * skn_q + h * skn_h + d).to(tl.float32)
+            vn = tl.load(vn_ptr + b * svn_b + j * svn_q + h * svn_h + d).to(tl.float32)
+            s_j = tl.sum(q * kn[None, :], 1) * qk_scale
+            s_j = tl.where(i >= j, s_j, float("-inf"))  # causal among the new tokens
+            m_new = tl.maximum(m_c, s_j)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_c - m_ref)
+            p = tl.exp2(s_j - m_ref)
+            l_c = l_c * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
+            m_c = m_new
+        # Every row saw new token 0, so l_c > 0.
+        out = acc / l_c[:, None]
         tl.store(out_ptr + b * so_b + i[:, None] * so_q + (h * G + g)[:, None] * so_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -227,12 +229,13 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(batch_heads: int, max_blocks: int, num_sms: int,
-                      tile_blocks: int = 4, min_tiles_per_split: int = 4, max_splits: int = 64) -> int:
+                      tile_blocks: int = 8, min_tiles_per_split: int = 4, max_splits: int = 32) -> int:
     """Splits per (sequence, kv head), from static sizes only (graph capture: no host sync).
 
     Aim for about 8 programs per SM so small batches fill the GPU and the last wave is a
     small fraction of the work; keep each split at least a few tiles long so the merge
-    stays negligible next to the KV reads."""
+    stays negligible next to the KV reads. Measured on an H200 at 32K context (Hkv=8):
+    B=1 best at 16-32 splits (64: +20%), B=16 within 3% of best at 9, B=64 at 3."""
     want = math.ceil(8 * num_sms / max(batch_heads, 1))
     most = max(1, max_blocks // (tile_blocks * min_tiles_per_split))
     return max(1, min(want, most, max_splits))
@@ -240,12 +243,14 @@ def choose_num_splits(batch_heads: int, max_blocks: int, num_sms: int,
 
 def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                         kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
-                        scale: float, num_splits: int | None = None, tile_blocks: int = 4,
+                        scale: float, num_splits: int | None = None, tile_blocks: int = 8,
                         num_warps: int = 4, num_stages: int = 3,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K flash decoding; same contract as `paged_decode_ref`. CUDA-graph capturable:
     launch sizes come from tensor shapes only, the valid lengths are read on device.
-    `out` (optional, shaped like q) receives the result, e.g. a graph's static buffer."""
+    `out` (optional, shaped like q) receives the result, e.g. a graph's static buffer.
+    Defaults (8 blocks = 128 tokens a tile, 4 warps, 3 stages) were the fastest of a sweep
+    at B=16, 32K context on an H200: 511 us, 99% of the 4.25 TB/s copy rate on the KV bytes."""
     B, Q, Hq, D = q.shape
     Hkv = k_new.shape[2]
     G = Hq // Hkv
@@ -257,7 +262,8 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
         num_splits = choose_num_splits(B * Hkv, max_blocks, sms, tile_blocks)
-    M = max(16, triton.next_power_of_2(G * Q))  # tl.dot needs >= 16 rows
+    MS = triton.next_power_of_2(G * Q)
+    M = max(16, MS)  # tl.dot needs >= 16 rows
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     upcast = interpret and kv_cache.dtype == torch.bfloat16
     precision = "ieee" if (upcast or kv_cache.dtype == torch.float32) else "tf32"
@@ -276,11 +282,13 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty_like(q)
+    # Splits merged per iteration: all in flight at once, within ~32 fp32 registers a thread.
+    merge_chunk = min(triton.next_power_of_2(num_splits), max(1, 4096 // (MS * D)))
     _decode_merge_kernel[(B, Hkv)](
         q, k_new, v_new, cache_lens, pm, pl, pacc, out,
         q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
         v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        cache_lens.stride(0), cache_lens.stride(1), qk_scale, NUM_SPLITS=num_splits,
-        G=G, Q=Q, QP=triton.next_power_of_2(Q), D=D, BS=bs, M=M,
-        MS=triton.next_power_of_2(G * Q), TILE_BLKS=tile_blocks, num_warps=4)
+        cache_lens.stride(0), cache_lens.stride(1), qk_scale, num_splits,
+        G=G, Q=Q, D=D, BS=bs, M=M, MS=MS, SC=merge_chunk, TILE_BLKS=tile_blocks,
+        num_warps=8 if MS * D >= 2048 else 4)  # big row blocks spill registers at 4 warps
     return out
