@@ -1,4 +1,6 @@
-"""Rotary position embedding (HF rotate-half convention), with Llama-3 frequency scaling."""
+"""Rotary position embedding tables (HF rotate-half convention), with Llama-3 frequency scaling.
+
+Applied by `layers.fused.rope` / `qk_norm_rope`."""
 from __future__ import annotations
 
 import math
@@ -35,16 +37,3 @@ class RotaryEmbedding(torch.nn.Module):
         # [max_positions, head_dim] cos and sin, each half repeated (rotate-half layout).
         self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1).float(), persistent=False)
         self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], -1).float(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated, same dtypes."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)

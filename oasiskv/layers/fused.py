@@ -1,0 +1,73 @@
+"""Elementwise pieces of a decoder layer, fused into one kernel each on CUDA by torch.compile.
+
+A decode step at batch 16 spends as long launching ~50 tiny elementwise kernels per layer
+as reading the weights; fusing norm, residual, RoPE and SiLU cuts that to a handful. On CPU
+(tests, the HF reference comparisons) the same functions run eagerly.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def cuda_compiled(fn):
+    compiled = None
+
+    @functools.wraps(fn)
+    def wrapper(x, *args):
+        nonlocal compiled
+        if not x.is_cuda:
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        return compiled(x, *args)
+    return wrapper
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+@cuda_compiled
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms(x, weight, eps)
+
+
+@cuda_compiled
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(norm(x + residual), x + residual): the residual stream stays in the model dtype."""
+    s = x + residual
+    return _rms(s, weight, eps), s
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@cuda_compiled
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+         sin_table: torch.Tensor):
+    cos = cos_table[positions][:, None, :]
+    sin = sin_table[positions][:, None, :]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@cuda_compiled
+def qk_norm_rope(q, k, q_weight, k_weight, eps: float, positions, cos_table, sin_table):
+    """Qwen3: RMSNorm over each head's q and k, then RoPE, in one pass."""
+    cos = cos_table[positions][:, None, :]
+    sin = sin_table[positions][:, None, :]
+    return _rotate(_rms(q, q_weight, eps), cos, sin), _rotate(_rms(k, k_weight, eps), cos, sin)
+
+
+@cuda_compiled
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
