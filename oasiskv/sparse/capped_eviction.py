@@ -1,0 +1,116 @@
+"""Capped eviction: the selection stage of the lookahead pipeline (DESIGN §3 step 4; the
+paper's "delta selection and capped eviction"), batched over rows, a row = one
+(request, layer, kv head).
+
+Each row owns K dynamic slots; sink and window blocks sit in other slots this policy never
+sees. Given the predicted top-K (best first):
+  - predicted blocks already resident stay, and their last-selected step becomes `step`;
+  - predicted sink / window blocks are on the GPU anyway: hits, never admitted (a resident
+    block is kept as a hit even if it lies in that range, which only a window moving back
+    could cause);
+  - at most C nonresident predicted blocks are admitted, best score first (the cap bounds the
+    traffic of a step to C items per head and layer, DESIGN §3: <= C · heads · layers);
+  - each admission takes one victim slot: empty slots first, then residents outside the
+    prediction, least recently selected first (ties: lower slot index).
+Predicted blocks over the cap wait for a later step; the working set keeps its K slots.
+
+Pure tensor code with fixed output shapes and no host sync, so it can be captured in a CUDA
+graph (pass `step` as a device tensor then: a Python int would be frozen into the graph).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEVER = torch.iinfo(torch.int64).min  # sort key of an empty slot: taken before any resident
+_KEEP = torch.iinfo(torch.int64).max  # sort key of a hit slot: never a victim
+
+
+@dataclass(slots=True)
+class EvictionPlan:
+    """Result of one step of `capped_eviction`; every tensor has a fixed shape."""
+    resident: torch.Tensor  # [R, K] int32 block id per dynamic slot, -1 empty
+    last_selected: torch.Tensor  # [R, K] int64 step each slot's block was last predicted
+    admit_blocks: torch.Tensor  # [R, C] int32 blocks to copy host -> GPU, best first, -1 none
+    admit_slots: torch.Tensor  # [R, C] int32 dynamic slot (0..K-1) receiving each, -1 none
+    hits: torch.Tensor  # [R] int32 predicted blocks already on the GPU (resident, sink, window)
+    missed: torch.Tensor  # [R] int32 predicted blocks not on the GPU (admitted + over the cap)
+    admitted: torch.Tensor  # [R] int32
+    evicted: torch.Tensor  # [R] int32 admissions that displaced a block (not an empty slot)
+
+
+def capped_eviction(resident: torch.Tensor, last_selected: torch.Tensor,
+                    predicted: torch.Tensor, num_sink: int, window_start: torch.Tensor,
+                    cap: int, step: int | torch.Tensor) -> EvictionPlan:
+    """One selection step for R rows.
+
+    resident: [R, K] int32 block ids (-1 empty); last_selected: [R, K] int64;
+    predicted: [R, P] int32 logical block ids sorted best first (-1 padding);
+    blocks b < num_sink or b >= window_start [R] are sink/window (already on the GPU);
+    cap: C >= 0 admissions per row at most; step: the step being selected for.
+    Inputs are not modified.
+    """
+    R, K = resident.shape
+    P = predicted.shape[1]
+    assert K >= 1 and cap >= 0
+    dev = resident.device
+    pred = predicted.long()
+    res = resident.long()
+    valid = pred >= 0
+    # A block listed twice counts once (the first, better-ranked, entry).
+    j = torch.arange(P, device=dev)
+    earlier = (pred[:, :, None] == pred[:, None, :]) & (j[None, :] < j[:, None])[None]  # [R, P, P]
+    valid &= ~earlier.any(2)
+    window_start = _long(window_start, dev).reshape(-1, 1)
+    static = valid & ((pred < num_sink) | (pred >= window_start))
+    match = (pred[:, :, None] == res[:, None, :]) & (valid[:, :, None] & (res >= 0)[:, None, :])
+    pred_resident = match.any(2)  # [R, P]
+    slot_hit = match.any(1)  # [R, K]
+    cand = valid & ~static & ~pred_resident  # nonresident, admissible, in score order
+    missed = cand.sum(1)
+
+    # Victims: every slot not holding a predicted block, empty slots first, then LRU.
+    key = torch.where(res < 0, _NEVER, last_selected.long())
+    key = torch.where(slot_hit, _KEEP, key)
+    victims = torch.sort(key, dim=1, stable=True).indices  # [R, K]
+    num_victims = K - slot_hit.sum(1)
+    n_admit = torch.minimum(torch.minimum(missed, num_victims), torch.full_like(missed, cap))
+
+    rank = cand.long().cumsum(1) - 1  # admission order of each candidate
+    admit = cand & (rank < n_admit[:, None])
+    # Scatter admitted candidates to their rank; the rest go to a dump column C, cut off after.
+    dst = torch.where(admit, rank, cap)
+    admit_blocks = torch.full((R, cap + 1), -1, dtype=torch.long, device=dev)
+    admit_blocks.scatter_(1, dst, torch.where(admit, pred, -1))
+    admit_blocks = admit_blocks[:, :cap]
+    c = torch.arange(cap, device=dev)
+    used = c[None, :] < n_admit[:, None]  # [R, C]
+    admit_slots = victims[:, :min(cap, K)]
+    if cap > K:
+        admit_slots = torch.cat([admit_slots, admit_slots.new_zeros(R, cap - K)], 1)
+    admit_slots = torch.where(used, admit_slots, -1)
+
+    # New working set: hit slots re-stamped, victims overwritten (dump column K for unused).
+    step_t = _long(step, dev)
+    new_res = torch.cat([res, res.new_full((R, 1), -1)], 1)
+    new_last = torch.cat([torch.where(slot_hit, step_t, last_selected.long()),
+                          last_selected.new_zeros(R, 1).long()], 1)
+    dst_slot = torch.where(used, admit_slots, K)
+    new_res.scatter_(1, dst_slot, admit_blocks)
+    new_last.scatter_(1, dst_slot, step_t.expand(R, cap))
+    evicted = (used & (res.gather(1, dst_slot.clamp_max(K - 1)) >= 0)).sum(1)
+    hits = valid.sum(1) - missed
+    i32 = torch.int32
+    return EvictionPlan(resident=new_res[:, :K].to(i32), last_selected=new_last[:, :K],
+                        admit_blocks=admit_blocks.to(i32), admit_slots=admit_slots.to(i32),
+                        hits=hits.to(i32), missed=missed.to(i32), admitted=n_admit.to(i32),
+                        evicted=evicted.to(i32))
+
+
+def _long(x: int | torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """An int64 tensor on `dev`; a Python int becomes a fill (no host->device copy, which a
+    CUDA graph capture would refuse), with its value frozen into a captured graph."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dev, torch.long)
+    return torch.full((), x, dtype=torch.long, device=dev)

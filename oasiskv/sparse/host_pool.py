@@ -1,0 +1,138 @@
+"""Host KV pool (DESIGN §2 "Host pool"): one preallocated arena holding the FULL KV of every
+sparse request, pinned when CUDA is present so host -> GPU copies (and UVA gathers, DESIGN §7)
+run at PCIe speed instead of the pageable 9 GB/s.
+
+The unit is an item: the K and V of one (layer, block, kv head), `[2, block_size, head_dim]`,
+the same bytes as one GPU slot (kernels/reference.py), so one transfer is one contiguous item
+(8 KiB at 16 x 128 x bf16). A request gets one contiguous extent laid out [layer][block][head]:
+a block's heads are adjacent, and a whole layer of the request is one contiguous range.
+Extents are placed first-fit over a sorted free list; freeing coalesces neighbours.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class HostExtent:
+    """Items [start, start + num_items) of the arena, owned by one request."""
+    request_id: int | str
+    start: int
+    num_layers: int
+    max_blocks: int
+    num_kv_heads: int
+
+    @property
+    def num_items(self) -> int:
+        return self.num_layers * self.max_blocks * self.num_kv_heads
+
+    def item_index(self, layer: int, block: int, head: int) -> int:
+        assert 0 <= layer < self.num_layers and 0 <= block < self.max_blocks \
+            and 0 <= head < self.num_kv_heads
+        return self.start + (layer * self.max_blocks + block) * self.num_kv_heads + head
+
+
+def item_indices(start: torch.Tensor | int, max_blocks: torch.Tensor | int, num_kv_heads: int,
+                 layer: torch.Tensor | int, block: torch.Tensor | int,
+                 head: torch.Tensor | int) -> torch.Tensor:
+    """Vectorized `HostExtent.item_index`: every argument broadcasts, so one call covers items of
+    many requests (start and max_blocks per request). Returns int64; no bounds check."""
+    t = lambda x: torch.as_tensor(x, dtype=torch.int64)  # noqa: E731
+    return t(start) + (t(layer) * t(max_blocks) + t(block)) * num_kv_heads + t(head)
+
+
+class HostKVPool:
+    """Arena `items[num_items, 2, block_size, head_dim]` with per-request extents."""
+
+    def __init__(self, capacity_gb: float, block_size: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, pin: bool = True, *,
+                 num_items: int | None = None):
+        """`capacity_gb` GiB (2**30 bytes, as --kv-cache-gb), rounded down to whole items;
+        `num_items` sets the item count exactly instead (tests, small pools)."""
+        self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
+        self.item_bytes = 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        if num_items is None:
+            num_items = int(capacity_gb * 2**30) // self.item_bytes
+        self.pinned = pin and torch.cuda.is_available()
+        self.items = torch.empty(num_items, 2, block_size, head_dim, dtype=dtype,
+                                 pin_memory=self.pinned)
+        self._free: list[tuple[int, int]] = [(0, num_items)] if num_items else []  # (start, length)
+        self._extents: dict[int | str, HostExtent] = {}
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_items(self) -> int:
+        return self.items.shape[0]
+
+    @property
+    def items_free(self) -> int:
+        return sum(n for _, n in self._free)
+
+    @property
+    def bytes_free(self) -> int:
+        return self.items_free * self.item_bytes
+
+    @property
+    def bytes_used(self) -> int:
+        return (self.num_items - self.items_free) * self.item_bytes
+
+    def largest_free_items(self) -> int:
+        return max((n for _, n in self._free), default=0)
+
+    def can_fit(self, num_layers: int, max_blocks: int, num_kv_heads: int) -> bool:
+        need = num_layers * max_blocks * num_kv_heads
+        return any(n >= need for _, n in self._free)
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, request_id: int | str, num_layers: int, max_blocks: int,
+                 num_kv_heads: int) -> HostExtent | None:
+        """First free range that fits; None if none does now (the caller makes it wait)."""
+        if request_id in self._extents:
+            raise ValueError(f"request {request_id!r} already holds a host extent")
+        need = num_layers * max_blocks * num_kv_heads
+        if need <= 0:
+            raise ValueError("an extent needs at least one item")
+        for i, (start, n) in enumerate(self._free):
+            if n >= need:
+                if n == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + need, n - need)
+                ext = HostExtent(request_id, start, num_layers, max_blocks, num_kv_heads)
+                self._extents[request_id] = ext
+                return ext
+        return None
+
+    def free(self, request_id: int | str) -> None:
+        """Return the request's extent, merging it with adjacent free ranges."""
+        ext = self._extents.pop(request_id)
+        start, n = ext.start, ext.num_items
+        i = bisect.bisect_left(self._free, (start, 0))
+        if i < len(self._free) and start + n == self._free[i][0]:  # merge with the next
+            n += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:  # and the previous
+            start, prev_n = self._free[i - 1]
+            self._free[i - 1] = (start, prev_n + n)
+        else:
+            self._free.insert(i, (start, n))
+
+    def extent(self, request_id: int | str) -> HostExtent | None:
+        return self._extents.get(request_id)
+
+    # ------------------------------------------------------------------ addressing
+    def item_index(self, extent: HostExtent, layer, block, head) -> int | torch.Tensor:
+        """Arena index of items of one extent: an int (bounds-checked) for int arguments, an
+        int64 tensor when any argument is a tensor (broadcast, unchecked)."""
+        if all(isinstance(x, int) for x in (layer, block, head)):
+            return extent.item_index(layer, block, head)
+        return item_indices(extent.start, extent.max_blocks, extent.num_kv_heads,
+                            layer, block, head)
+
+    def extent_items(self, extent: HostExtent) -> torch.Tensor:
+        """The extent as a view [num_layers, max_blocks, num_kv_heads, 2, block_size, head_dim]."""
+        return self.items[extent.start:extent.start + extent.num_items].view(
+            extent.num_layers, extent.max_blocks, extent.num_kv_heads, 2, self.block_size,
+            self.head_dim)

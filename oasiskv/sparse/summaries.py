@@ -1,0 +1,49 @@
+"""Compressed key cache (Quest-style, DESIGN §2 "Compressed keys"): per (block, kv head) the
+elementwise min and max of the block's post-RoPE keys, 2 vectors per block = 1/16 of the KV
+bytes at block size 16. The scores of `block_scores` read only these.
+
+The summaries of every sparse request of a layer live in one tensor [total_blocks, Hkv, D]
+indexed by a global block id (request offset + logical block); the caller keeps the offsets.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def block_minmax(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [n_tokens, Hkv, D] -> (kmin, kmax), each [ceil(n_tokens / block_size), Hkv, D] in
+    keys' dtype. The last block may be partial: it is padded with +inf (for the min) and -inf
+    (for the max), so only its valid tokens count."""
+    n, H, D = keys.shape
+    nb = -(-n // block_size)
+    pad = nb * block_size - n
+    lo = keys if pad == 0 else torch.cat([keys, keys.new_full((pad, H, D), float("inf"))])
+    hi = keys if pad == 0 else torch.cat([keys, keys.new_full((pad, H, D), float("-inf"))])
+    return (lo.view(nb, block_size, H, D).amin(1), hi.view(nb, block_size, H, D).amax(1))
+
+
+def update_block_minmax(kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch.Tensor,
+                        keys: torch.Tensor, first_in_block: torch.Tensor) -> None:
+    """Fold new tokens into their (partial) blocks' summaries, in place, as decode fills them.
+
+    kmin, kmax: [total_blocks, Hkv, D]; block_ids: [R] global block id of each token (-1: skip,
+    e.g. a padding row of a captured batch); keys: [R, Hkv, D]; first_in_block: [R] bool, the
+    token starts a new block, whose old summary (stale, from a block freed earlier) is dropped.
+    Several rows may name the same block (a chunk of tokens): if any of them is first, the
+    block is reset and then reduced over all of them. No host sync (CUDA-graph safe).
+    """
+    valid = block_ids >= 0
+    idx = block_ids.long().clamp_min(0)  # skipped rows point at block 0 with neutral values
+    first = first_in_block & valid
+    # Rows of one block must agree on the reset so the index_put below writes one value per
+    # block whatever the order among duplicates; R is a batch of tokens, so R x R is small.
+    same = idx[:, None] == idx[None, :]
+    reset = (same & first[None, :]).any(1)[:, None, None]
+    inf = torch.full((), float("inf"), dtype=kmin.dtype, device=kmin.device)  # no H2D copy
+    kmin.index_put_((idx,), torch.where(reset, inf, kmin[idx]))
+    kmax.index_put_((idx,), torch.where(reset, -inf, kmax[idx]))
+    k = keys.to(kmin.dtype)
+    v = valid[:, None, None]
+    at = idx[:, None, None].expand_as(k)
+    kmin.scatter_reduce_(0, at, torch.where(v, k, inf), "amin", include_self=True)
+    kmax.scatter_reduce_(0, at, torch.where(v, k, -inf), "amax", include_self=True)

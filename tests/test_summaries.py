@@ -1,0 +1,75 @@
+"""Block min/max key summaries (DESIGN §2 "Compressed keys"): the one-shot build against a
+per-block loop, and the incremental decode update against rebuilding from all tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv.sparse.summaries import block_minmax, update_block_minmax
+
+
+@pytest.mark.parametrize("n,bs", [(1, 16), (16, 16), (37, 16), (64, 16), (13, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_minmax_matches_loop(n, bs, dtype):
+    keys = torch.randn(n, 3, 64, generator=torch.Generator().manual_seed(n)).to(dtype)
+    kmin, kmax = block_minmax(keys, bs)
+    nb = -(-n // bs)
+    assert kmin.shape == kmax.shape == (nb, 3, 64) and kmin.dtype == dtype
+    for b in range(nb):
+        chunk = keys[b * bs:(b + 1) * bs]  # the last one partial: only its valid tokens
+        assert torch.equal(kmin[b], chunk.amin(0)) and torch.equal(kmax[b], chunk.amax(0))
+
+
+def test_block_minmax_empty():
+    kmin, kmax = block_minmax(torch.randn(0, 2, 8), 16)
+    assert kmin.shape == kmax.shape == (0, 2, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_incremental_update_matches_rebuild(dtype):
+    """Three requests at different offsets of one global tensor decode token by token (one row
+    each per step, plus a padding row -1); their summaries always equal a rebuild."""
+    gen = torch.Generator().manual_seed(0)
+    bs, H, D, steps = 4, 2, 16, 11
+    prompt = [5, 8, 0]  # partial, full, empty
+    cap = [-(-(p + steps) // bs) for p in prompt]
+    offsets = [0, cap[0], cap[0] + cap[1]]
+    total = sum(cap)
+    # Garbage in the unused blocks (a freed block's stale summary) must be overwritten.
+    kmin = torch.randn(total, H, D, generator=gen).to(dtype)
+    kmax = kmin + 5
+    tokens = [torch.randn(p, H, D, generator=gen).to(dtype) for p in prompt]
+    for i, t in enumerate(tokens):
+        lo, hi = block_minmax(t, bs)
+        kmin[offsets[i]:offsets[i] + len(lo)] = lo
+        kmax[offsets[i]:offsets[i] + len(hi)] = hi
+    for _ in range(steps):
+        new = torch.randn(3, H, D, generator=gen).to(dtype)
+        pos = torch.tensor([len(t) for t in tokens])
+        block_ids = torch.tensor(offsets) + pos // bs
+        first = pos % bs == 0
+        pad = torch.tensor([-1])
+        update_block_minmax(kmin, kmax, torch.cat([block_ids, pad]),
+                            torch.cat([new, torch.randn(1, H, D).to(dtype)]),
+                            torch.cat([first, torch.tensor([True])]))
+        tokens = [torch.cat([t, new[i:i + 1]]) for i, t in enumerate(tokens)]
+        for i, t in enumerate(tokens):
+            lo, hi = block_minmax(t, bs)
+            assert torch.equal(kmin[offsets[i]:offsets[i] + len(lo)], lo)
+            assert torch.equal(kmax[offsets[i]:offsets[i] + len(hi)], hi)
+
+
+def test_update_with_several_tokens_of_one_block():
+    """A chunk of tokens into one block in one call: a fresh block (one row is first) is the
+    min/max of the chunk alone; a continued block also folds in its old summary."""
+    gen = torch.Generator().manual_seed(1)
+    kmin = torch.randn(3, 1, 8, generator=gen)
+    kmax = kmin + 1
+    old_min, old_max = kmin[2].clone(), kmax[2].clone()
+    keys = torch.randn(5, 1, 8, generator=gen)
+    ids = torch.tensor([1, 1, 1, 2, 2])
+    first = torch.tensor([False, True, False, False, False])
+    update_block_minmax(kmin, kmax, ids, keys, first)
+    assert torch.equal(kmin[1], keys[:3].amin(0)) and torch.equal(kmax[1], keys[:3].amax(0))
+    assert torch.equal(kmin[2], torch.minimum(old_min, keys[3:].amin(0)))
+    assert torch.equal(kmax[2], torch.maximum(old_max, keys[3:].amax(0)))
