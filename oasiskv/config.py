@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from oasiskv.sparse.config import SparseConfig
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -19,6 +21,15 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     max_cuda_graph_batch: int = 256
+    # sparse decode (SparseConfig holds the meaning of each)
+    sparse: bool = False
+    top_k_blocks: int = 128
+    sink_blocks: int = 1
+    window_blocks: int = 4
+    sparse_threshold: int = 8192
+    fetch_ratio: float = 0.05
+    drafter: str = "self"
+    host_kv_gb: float = 4.0
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -35,3 +46,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        sc = self.sparse_config()  # validates the sparse flags
+        if sc.enabled and sc.sparse_threshold <= (sc.sink_blocks + sc.window_blocks) * self.block_size:
+            raise ValueError(f"--sparse-threshold {sc.sparse_threshold} must exceed the sink and window "
+                             f"blocks ({sc.sink_blocks} + {sc.window_blocks}) x block size {self.block_size}")
+
+    def sparse_config(self) -> SparseConfig:
+        return SparseConfig(enabled=self.sparse, top_k_blocks=self.top_k_blocks, sink_blocks=self.sink_blocks,
+                            window_blocks=self.window_blocks, sparse_threshold=self.sparse_threshold,
+                            fetch_ratio=self.fetch_ratio, drafter=self.drafter, host_kv_gb=self.host_kv_gb)

@@ -32,6 +32,15 @@ class BlockManager:
             raise RuntimeError(f"out of KV pages: need {need}, {self.num_free} free")
         seq.pages.extend(self.free_pages.popleft() for _ in range(need))
 
+    def take(self, n: int) -> list[int] | None:
+        """n pages outside any page table (a sparse working set), or None if too few are free."""
+        if n > self.num_free:
+            return None
+        return [self.free_pages.popleft() for _ in range(n)]
+
+    def give_back(self, pages: list[int]) -> None:
+        self.free_pages.extend(pages)
+
     def free(self, seq: Sequence) -> None:
         self.free_pages.extend(seq.pages)
         seq.pages = []

@@ -36,8 +36,9 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(self.runner.source)
         self.block_manager = BlockManager(self.runner.num_pages, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.runner.sparse, self.max_model_len)
         mc = self.runner.model_config
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -105,7 +106,24 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens = self.runner.execute(batch)
         self._account(batch, time.perf_counter() - t0)
-        return self.postprocess(batch, tokens)
+        outputs = self.postprocess(batch, tokens)
+        self._convert_to_sparse()
+        return outputs
+
+    def _convert_to_sparse(self) -> None:
+        """Requests whose context passed the threshold this step move their KV to the host."""
+        runner = self.runner
+        pending, runner.pending_conversions = runner.pending_conversions, []
+        for seq, last_q in pending:
+            if seq.is_finished or seq.sparse is not None or seq.in_prefill:
+                continue
+            pages = self.block_manager.take(runner.sparse.cfg.working_set_blocks)
+            if pages is None:
+                continue  # no room for the working set now; it stays dense and tries again
+            dense_pages = seq.pages
+            runner.sparse.convert(seq, last_q, pages)
+            seq.pages = pages
+            self.block_manager.give_back(dense_pages)
 
     def _account(self, batch, seconds: float) -> None:
         kind = "prefill" if batch.is_prefill else "decode"
@@ -163,5 +181,9 @@ class LLMEngine:
             metrics["e2el"] = seq.finish_time - seq.arrival_time
             n = len(seq.output_token_ids)
             metrics["tpot"] = (seq.finish_time - seq.first_token_time) / (n - 1) if n > 1 else 0.0
+        stats = {}
+        if seq.sparse is not None:
+            ws = seq.sparse
+            stats = ws.stats.as_dict(ws.cfg.working_set_blocks, -(-seq.num_tokens // self.config.block_size))
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text,
-                             list(seq.output_token_ids), seq.finish_reason, seq.is_finished, metrics)
+                             list(seq.output_token_ids), seq.finish_reason, seq.is_finished, metrics, stats)

@@ -16,6 +16,9 @@ from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import iter_weights, resolve_model
+from oasiskv.sparse.drafters import next_draft
+from oasiskv.sparse.manager import SparseManager
+from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_GB = 2.0
@@ -50,6 +53,9 @@ class ModelRunner:
         self.kv = torch.empty(mc.num_layers, self.num_pages * self.num_kv_heads, 2, self.block_size,
                               self.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv.unbind(0))
+        sc = cfg.sparse_config()
+        self.sparse = SparseManager(sc, mc, self.kv, self.block_size) if sc.enabled else None
+        self.pending_conversions: list[tuple[Sequence, torch.Tensor]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_decode_graphs()
@@ -127,10 +133,25 @@ class ModelRunner:
         positions = np.array(pos, dtype=np.int64)
         slots, offsets = self._write_locations([s.pages for s in batch.seqs], positions, np.array(owner))
         meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, prefill_chunks=chunks)
+        if self.sparse is not None:
+            record = {}
+            for seq, n, c in zip(batch.seqs, batch.num_tokens, chunks):
+                if seq.num_cached_tokens + n == seq.num_tokens and self.sparse.should_convert(seq, seq.num_tokens):
+                    record[c.start + n - 1] = self._query_buffer(seq)
+            if record:
+                meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.cfg.drafter, record_rows=record)
         return (torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device),
                 meta, logits_rows)
 
+    def _query_buffer(self, seq: Sequence) -> torch.Tensor:
+        mc = self.model_config
+        buf = torch.empty(mc.num_layers, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+        self.pending_conversions.append((seq, buf))
+        return buf
+
     def prepare_decode(self, seqs: list[Sequence]):
+        if self.sparse is not None:
+            return self.prepare_mixed_decode(seqs)
         B, Hkv = len(seqs), self.num_kv_heads
         positions = np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64)
         slots, offsets = self._write_locations([s.pages for s in seqs], positions, np.arange(B))
@@ -147,6 +168,80 @@ class ModelRunner:
         ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
         return ids, torch.from_numpy(positions).to(self.device), meta
 
+    def prepare_mixed_decode(self, seqs: list[Sequence]):
+        """Dense and sparse requests in one batch: two query rows per request (the token and
+        its lookahead draft; a dense request's second row is padding), per-layer slot tables."""
+        m, L, H, bs, Q = self.sparse, self.model_config.num_layers, self.num_kv_heads, self.block_size, 2
+        B = len(seqs)
+        width = max(m.cfg.working_set_blocks if s.sparse else len(s.pages) for s in seqs)
+        slot_tables = torch.zeros(L, B, H, width, dtype=torch.int32)
+        cache_lens = torch.zeros(L, B, H, dtype=torch.int32)
+        ids, pos, wslots, woffs, rows, record = [], [], [], [], [], {}
+        heads = torch.arange(H)
+        last_pos = self.model_config.max_position_embeddings - 1
+        for b, s in enumerate(seqs):
+            n, tok = s.num_tokens - 1, s.token_ids[-1]
+            draft = s.sparse.draft if s.sparse is not None and s.sparse.draft is not None else tok
+            ids += [tok, draft]
+            pos += [n, min(n + 1, last_pos)]
+            woffs += [n % bs, 0]
+            if s.sparse is None:
+                page = s.pages[n // bs]
+                wslots += [[page * H + h for h in range(H)], [-1] * H]
+                pt = torch.tensor(s.pages)
+                slot_tables[:, b, :, :len(s.pages)] = (pt[None, :] * H + heads[:, None]).int()
+                cache_lens[:, b] = n
+                if m.should_convert(s, n + 1):
+                    record[b * Q] = self._query_buffer(s)
+            else:
+                m.start_token(s.sparse, n)
+                wslots += [m.write_slots(s.sparse, n), [-1] * H]
+                st, cl = m.attention_tables(s.sparse, n)
+                slot_tables[:, b, :, :st.shape[-1]] = st
+                cache_lens[:, b] = cl
+                rows.append(SparseRow(b, s.sparse, n))
+        dev = self.device
+        meta = AttentionMetadata(
+            write_slots=torch.tensor(wslots, dtype=torch.int32, device=dev),
+            write_offsets=torch.tensor(woffs, dtype=torch.int32, device=dev),
+            slot_tables=slot_tables.to(dev), cache_lens=cache_lens.to(dev), query_len=Q,
+            hooks=SparseStepHooks(m, rows, Q, m.cfg.drafter, record_rows=record))
+        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
+
+    def run_sparse_decode(self, seqs: list[Sequence]) -> list[int]:
+        """One decode step of a batch holding sparse requests (eager; in-line prefetch)."""
+        m = self.sparse
+        m.step += 1
+        ids, positions, meta = self.prepare_decode(seqs)
+        hooks, Q = meta.hooks, meta.query_len
+        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
+        if hooks.drafter == "oracle" and hooks.rows:
+            # Evaluation only: a first pass finds the true next token, the second uses it as draft.
+            hooks.prefetch = False
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            tokens = sample(self.model.compute_logits(hidden[::Q]), params, gens).tolist()
+            for r in hooks.rows:
+                ids[r.batch_index * Q + 1] = tokens[r.batch_index]
+                r.ws.draft = tokens[r.batch_index]
+            hooks.prefetch, hooks.record_rows = True, {}
+            self.model(ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+            tokens = sample(logits[::Q], params, gens).tolist()
+            draft_argmax = logits[1::Q].argmax(-1).tolist()
+        for r in hooks.rows:
+            s, ws, tok = seqs[r.batch_index], r.ws, tokens[r.batch_index]
+            m.write_through(ws, r.cached)
+            ws.stats.steps += 1
+            if hooks.drafter in ("self", "ngram", "oracle"):
+                ws.stats.drafts += 1
+                ws.stats.drafts_accepted += int(ws.draft == tok)
+            if hooks.drafter != "oracle":
+                ws.draft = next_draft(hooks.drafter, s.token_ids + [tok], ws.draft, tok,
+                                      draft_argmax[r.batch_index])
+        return tokens
+
     # ---- execution ----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
@@ -156,6 +251,8 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_caches, meta)[rows]
             sampling_seqs = [s for s, n in zip(batch.seqs, batch.num_tokens)
                              if s.num_cached_tokens + n == s.num_tokens]
+        elif self.sparse is not None:
+            return self.run_sparse_decode(batch.seqs)
         else:
             hidden = self.run_decode(batch.seqs)
             sampling_seqs = batch.seqs

@@ -23,8 +23,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 sparse=None, max_model_len: int = 0):
         self.block_manager = block_manager
+        self.sparse = sparse  # SparseManager: host-pool admission for requests that will go sparse
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -57,6 +60,8 @@ class Scheduler:
             n = min(seq.num_uncached, budget)
             if not bm.can_grow(seq, n):
                 break
+            if self.sparse is not None and not self.sparse.reserve(seq, self.max_model_len):
+                break  # its full KV does not fit the host pool yet: it waits
             self.waiting.popleft()
             bm.grow(seq, n)
             seq.status = SequenceStatus.RUNNING
@@ -71,6 +76,9 @@ class Scheduler:
         pending = [s for s in self.running if not s.in_prefill]
         while pending:
             seq = pending.pop(0)
+            if seq.sparse is not None:  # a fixed working set: no page to add
+                seqs.append(seq)
+                continue
             while not bm.can_grow(seq, seq.num_tokens):
                 victim = pending.pop() if pending else seq
                 self.preempt(victim)
@@ -89,6 +97,7 @@ class Scheduler:
         """Recompute-style preemption: drop the pages, queue the tokens again."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.sparse = None  # recomputed dense, converted again (its host extent stays reserved)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -99,4 +108,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.sparse is not None:
+            self.sparse.release(seq)
         seq.status = SequenceStatus.FINISHED

@@ -31,6 +31,8 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     generator: object = None  # torch.Generator for seeded sampling
+    sparse: object = None  # WorkingSet once the request decodes sparse
+    host_extent: object = None  # its reservation in the host KV pool
 
     @property
     def token_ids(self) -> list[int]:

@@ -21,6 +21,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true")
+    sp = p.add_argument_group("sparse decode (KV beyond GPU memory)")
+    sp.add_argument("--sparse", action="store_true", help="decode long requests from a head-wise working set")
+    sp.add_argument("--top-k-blocks", type=int, default=128)
+    sp.add_argument("--sink-blocks", type=int, default=1)
+    sp.add_argument("--window-blocks", type=int, default=4)
+    sp.add_argument("--sparse-threshold", type=int, default=8192,
+                    help="context length at which a request converts to sparse")
+    sp.add_argument("--fetch-ratio", type=float, default=0.05,
+                    help="cap: ceil(ratio * K) new blocks per KV head per step")
+    sp.add_argument("--fetch-all", action="store_true", help="no cap (fetch ratio 1.0)")
+    sp.add_argument("--drafter", default="self", help="self | ngram | prev | oracle | ondemand")
+    sp.add_argument("--host-kv-gb", type=float, default=4.0)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -29,4 +41,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, sparse=args.sparse, top_k_blocks=args.top_k_blocks,
+        sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
+        sparse_threshold=args.sparse_threshold, fetch_ratio=1.0 if args.fetch_all else args.fetch_ratio,
+        drafter=args.drafter, host_kv_gb=args.host_kv_gb)

@@ -29,9 +29,12 @@ class AttentionMetadata:
     write_offsets: torch.Tensor  # [T] offset inside the block
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     # decode: T = B * query_len tokens, sequence-major
-    slot_tables: torch.Tensor | None = None  # [B, Hkv, max_blocks]
-    cache_lens: torch.Tensor | None = None  # [B, Hkv] cached tokens attended (new tokens excluded)
+    # [B, Hkv, max_blocks] shared by every layer, or [L, B, Hkv, max_blocks] when sparse
+    # requests (whose heads hold different blocks in every layer) are in the batch
+    slot_tables: torch.Tensor | None = None
+    cache_lens: torch.Tensor | None = None  # [(L,) B, Hkv] cached tokens attended (new ones excluded)
     query_len: int = 1
+    hooks: object = None  # sparse step hooks: before_attention / after_attention(layer, q, k, meta)
 
     @property
     def is_prefill(self) -> bool:
@@ -39,16 +42,24 @@ class AttentionMetadata:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+           meta: AttentionMetadata, scale: float, layer: int) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] (post-RoPE) -> [T, Hq, D]."""
     store_kv(kv_cache, k, v, meta.write_slots, meta.write_offsets)
+    if meta.hooks is not None:
+        meta.hooks.before_attention(layer, q, k, meta)
     if meta.is_prefill:
-        return _prefill(q, k, v, kv_cache, meta.prefill_chunks, scale)
-    T, Hq, D = q.shape
-    B, Q = T // meta.query_len, meta.query_len
-    out = paged_decode(q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D),
-                       kv_cache, meta.slot_tables, meta.cache_lens, scale)
-    return out.view(T, Hq, D)
+        out = _prefill(q, k, v, kv_cache, meta.prefill_chunks, scale)
+    else:
+        T, Hq, D = q.shape
+        B, Q = T // meta.query_len, meta.query_len
+        tables, lens = meta.slot_tables, meta.cache_lens
+        if tables.dim() == 4:
+            tables, lens = tables[layer], lens[layer]
+        out = paged_decode(q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D),
+                           kv_cache, tables, lens, scale).view(T, Hq, D)
+    if meta.hooks is not None:
+        meta.hooks.after_attention(layer, q, k, meta)
+    return out
 
 
 def _prefill(q, k, v, kv_cache, chunks: list[PrefillChunk], scale: float) -> torch.Tensor:

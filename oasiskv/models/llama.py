@@ -30,8 +30,9 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int):
         super().__init__()
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -54,7 +55,7 @@ class LlamaAttention(nn.Module):
                                 positions, r.cos, r.sin)
         else:
             q, k = rope(q, k, positions, r.cos, r.sin)
-        o = attend(q, k, v, kv_cache, meta, self.scale)
+        o = attend(q, k, v, kv_cache, meta, self.scale, self.layer)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -69,9 +70,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, layer)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -92,7 +93,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
 

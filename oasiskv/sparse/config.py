@@ -1,0 +1,44 @@
+"""Settings of sparse decode (DESIGN §2-§4): working-set shape, fetch cap, drafter, host pool."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DRAFTERS = ("self", "ngram", "prev", "oracle", "ondemand")
+
+
+@dataclass(slots=True)
+class SparseConfig:
+    enabled: bool = False
+    top_k_blocks: int = 128  # K: selected blocks per (layer, kv head)
+    sink_blocks: int = 1  # S: first blocks, always resident
+    window_blocks: int = 4  # W: newest blocks, always resident (the last one fills)
+    sparse_threshold: int = 8192  # context tokens at which a request converts to sparse
+    fetch_ratio: float = 0.05  # C = ceil(ratio * K) new blocks per head per step; 1.0 = uncapped
+    drafter: str = "self"
+    host_kv_gb: float = 4.0  # size of the pinned host arena holding sparse requests' full KV
+
+    def __post_init__(self):
+        if not self.enabled:
+            return
+        if self.top_k_blocks < 1:
+            raise ValueError(f"--top-k-blocks must be >= 1, got {self.top_k_blocks}")
+        if self.sink_blocks < 0:
+            raise ValueError(f"--sink-blocks must be >= 0, got {self.sink_blocks}")
+        if self.window_blocks < 1:
+            raise ValueError(f"--window-blocks must be >= 1 (the block being filled), got {self.window_blocks}")
+        if not 0 < self.fetch_ratio <= 1:
+            raise ValueError(f"--fetch-ratio must be in (0, 1], got {self.fetch_ratio}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        if self.host_kv_gb <= 0:
+            raise ValueError(f"--host-kv-gb must be positive, got {self.host_kv_gb}")
+
+    @property
+    def fetch_cap(self) -> int:
+        """eq. (3): at most C new blocks per KV head per step."""
+        return max(1, math.ceil(self.fetch_ratio * self.top_k_blocks))
+
+    @property
+    def working_set_blocks(self) -> int:
+        return self.sink_blocks + self.top_k_blocks + self.window_blocks

@@ -1,0 +1,224 @@
+"""Sparse decode of long requests: conversion, per-step tables, and the three stages of the
+lookahead pipeline run in line after each layer's attention (DESIGN §3):
+
+    predict  (score every block from the summaries with the draft query, top-K per KV head)
+    select   (capped eviction: which predicted blocks come in, which LRU blocks leave)
+    transfer (copy the admitted (layer, block, head) items host -> their GPU slots)
+
+Each stage is a method with explicit inputs and outputs, so the pipeline issue can move them
+to background streams unchanged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.sparse.block_scores import score_topk
+from oasiskv.sparse.capped_eviction import EvictionPlan, capped_eviction
+from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.host_pool import HostKVPool
+from oasiskv.sparse.summaries import block_minmax, update_block_minmax
+from oasiskv.sparse.working_set import WorkingSet
+
+
+@dataclass
+class Prediction:
+    """Output of the predict stage for one (request, layer)."""
+    blocks: torch.Tensor  # [Hkv, K] int32 best first, -1 none
+    window_start: int  # first window block of the step predicted for
+    num_blocks: int  # blocks that exist at that step
+
+
+@dataclass
+class TransferPlan:
+    """Output of the select stage: host items to copy into GPU slots of one layer."""
+    layer: int
+    host_items: torch.Tensor  # [N] indices into the host arena
+    gpu_slots: torch.Tensor  # [N] slots of the layer's KV pool
+
+
+class SparseManager:
+    def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, block_size: int):
+        self.cfg = cfg
+        self.mc = model_config
+        self.kv = kv  # [L, num_slots, 2, bs, D]
+        self.block_size = block_size
+        self.L, self.Hkv, self.D = model_config.num_layers, model_config.num_kv_heads, model_config.head_dim
+        self.G = model_config.group_size
+        self.device, self.dtype = kv.device, kv.dtype
+        self.host = HostKVPool(cfg.host_kv_gb, block_size, self.D, self.dtype,
+                               pin=kv.is_cuda)
+        self.item_bytes = 2 * block_size * self.D * self.dtype.itemsize
+        self.cap = cfg.fetch_cap
+        self.step = 0
+
+    # ---- admission (scheduler side) -------------------------------------------------
+    def may_go_sparse(self, seq, max_model_len: int) -> bool:
+        return min(seq.num_tokens + seq.params.max_tokens, max_model_len) > self.cfg.sparse_threshold
+
+    def max_blocks(self, seq, max_model_len: int) -> int:
+        total = min(len(seq.prompt_token_ids) + seq.params.max_tokens, max_model_len)
+        return math.ceil(total / self.block_size)
+
+    def reserve(self, seq, max_model_len: int) -> bool:
+        """Host bytes for the request's full KV, taken at admission; False = it must wait."""
+        if getattr(seq, "host_extent", None) is not None or not self.may_go_sparse(seq, max_model_len):
+            return True
+        extent = self.host.allocate(seq.request_id, self.L, self.max_blocks(seq, max_model_len), self.Hkv)
+        seq.host_extent = extent
+        return extent is not None
+
+    def release(self, seq) -> None:
+        if getattr(seq, "host_extent", None) is not None:
+            self.host.free(seq.request_id)
+            seq.host_extent = None
+
+    def should_convert(self, seq, cached_after_step: int) -> bool:
+        return seq.sparse is None and getattr(seq, "host_extent", None) is not None \
+            and cached_after_step >= self.cfg.sparse_threshold
+
+    # ---- conversion -----------------------------------------------------------------
+    @torch.inference_mode()
+    def convert(self, seq, last_q: torch.Tensor, new_pages: list[int]) -> None:
+        """Dense -> sparse: full KV to the host pool, summaries, working set from the last query.
+
+        last_q: [L, Hq, D] query of the last processed token. The caller frees the dense pages.
+        """
+        cfg, bs, L, H = self.cfg, self.block_size, self.L, self.Hkv
+        n = seq.num_cached_tokens
+        nb = -(-n // bs)
+        dense_slots = (torch.tensor(seq.pages[:nb], device=self.device)[:, None] * H
+                       + torch.arange(H, device=self.device)[None, :])  # [nb, H]
+        ext = seq.host_extent
+        max_blocks = ext.max_blocks
+        kmin = torch.empty(L, max_blocks, H, self.D, dtype=self.dtype, device=self.device)
+        kmax = torch.empty_like(kmin)
+        P = cfg.working_set_blocks
+        ws = WorkingSet(cfg, new_pages, ext,
+                        blocks=torch.full((L, H, P), -1, dtype=torch.int32),
+                        last_selected=torch.full((L, H, cfg.top_k_blocks), -1, dtype=torch.int64),
+                        kmin=kmin, kmax=kmax)
+        items = self.host.extent_items(ext)  # [L, max_blocks, H, 2, bs, D]
+        win_start = ws.window_start(n, bs)
+        cur = n // bs
+        for layer in range(L):
+            block_kv = self.kv[layer][dense_slots]  # [nb, H, 2, bs, D]
+            items[layer, :nb].copy_(block_kv, non_blocking=True)
+            keys = block_kv[:, :, 0].transpose(1, 2).reshape(nb * bs, H, self.D)[:n]
+            kmin[layer, :nb], kmax[layer, :nb] = block_minmax(keys, bs)
+            pred = self.predict(ws, layer, last_q[layer], n)
+            positions = list(range(cfg.sink_blocks))
+            blocks = list(range(cfg.sink_blocks))
+            for b in range(win_start, cur + (1 if n % bs else 0)):
+                positions.append(ws.window_position(b))
+                blocks.append(b)
+            pos = torch.tensor(positions, dtype=torch.long)
+            ws.blocks[layer][:, pos] = torch.tensor(blocks, dtype=torch.int32)[None, :]
+            ws.blocks[layer][:, ws.dynamic] = pred.blocks.cpu()
+            ws.last_selected[layer] = torch.where(pred.blocks.cpu() >= 0, self.step, -1)
+            # Copy every held block from its dense page into its working-set slot (GPU -> GPU).
+            held = ws.blocks[layer]  # [H, P]
+            h_idx, p_idx = torch.nonzero(held >= 0, as_tuple=True)
+            src = dense_slots[held[h_idx, p_idx].long().to(self.device), h_idx.to(self.device)]
+            dst = torch.tensor(new_pages, device=self.device)[p_idx.to(self.device)] * H + h_idx.to(self.device)
+            self.kv[layer][dst] = self.kv[layer][src]
+        seq.sparse = ws
+
+    # ---- the three stages -----------------------------------------------------------
+    def predict(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int) -> Prediction:
+        """Top-K blocks per KV head for the step that adds token number `cached`.
+
+        query: [Hq, D] post-RoPE (the draft's, or the current token's for `prev`/`ondemand`).
+        Sinks and window are always resident, so they are left out of the K.
+        """
+        win = ws.window_start(cached, self.block_size)
+        nb = cached // self.block_size + 1
+        ids, _ = score_topk(query[None], ws.kmin[layer], ws.kmax[layer],
+                            torch.zeros(1, dtype=torch.long, device=self.device),
+                            torch.tensor([nb], device=self.device), self.G, self.cfg.top_k_blocks,
+                            max_blocks=ws.kmin.shape[1], num_sink=self.cfg.sink_blocks,
+                            window_start=torch.tensor([win], device=self.device))
+        return Prediction(ids[0], win, nb)
+
+    def select(self, ws: WorkingSet, layer: int, pred: Prediction, cap: int) -> tuple[EvictionPlan, TransferPlan]:
+        dyn = ws.dynamic
+        plan = capped_eviction(ws.blocks[layer][:, dyn], ws.last_selected[layer], pred.blocks.cpu(),
+                               self.cfg.sink_blocks, torch.full((self.Hkv,), pred.window_start),
+                               cap, self.step)
+        heads, cols = torch.nonzero(plan.admit_blocks >= 0, as_tuple=True)
+        blocks = plan.admit_blocks[heads, cols].long()
+        positions = plan.admit_slots[heads, cols].long() + self.cfg.sink_blocks
+        pages = torch.tensor(ws.pages)[positions]
+        transfer = TransferPlan(layer, self.host.item_index(ws.extent, layer, blocks, heads),
+                                (pages * self.Hkv + heads).to(self.device))
+        return plan, transfer
+
+    def transfer(self, plan: TransferPlan) -> int:
+        """Host -> GPU copy of the admitted items; returns bytes moved."""
+        if plan.host_items.numel():
+            self.kv[plan.layer][plan.gpu_slots] = self.host.items[plan.host_items].to(
+                self.device, non_blocking=True)
+        return plan.host_items.numel() * self.item_bytes
+
+    def apply(self, ws: WorkingSet, layer: int, plan: EvictionPlan, transferred: int) -> None:
+        ws.blocks[layer][:, ws.dynamic] = plan.resident
+        ws.last_selected[layer] = plan.last_selected
+        st = ws.stats
+        st.predicted += int((plan.hits + plan.missed).sum())
+        st.hits += int(plan.hits.sum())
+        st.admitted += int(plan.admitted.sum())
+        st.evicted += int(plan.evicted.sum())
+        st.bytes_to_device += transferred
+
+    def prefetch(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int, cap: int) -> None:
+        """predict -> select -> transfer, in line (this issue); the pipeline issue makes it async."""
+        pred = self.predict(ws, layer, query, cached)
+        plan, transfer = self.select(ws, layer, pred, cap)
+        self.apply(ws, layer, plan, self.transfer(transfer))
+
+    # ---- per-step tables and write-through ------------------------------------------
+    def attention_tables(self, ws: WorkingSet, cached: int, layers: slice = slice(None)
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot table [L, H, P] and cached-token counts [L, H] for a step adding token `cached`."""
+        cfg, bs, H = self.cfg, self.block_size, self.Hkv
+        window, partial = ws.window_positions(cached, bs)
+        order = list(range(cfg.sink_blocks)) + list(range(cfg.sink_blocks, cfg.sink_blocks + cfg.top_k_blocks)) + window
+        order_t = torch.tensor(order, dtype=torch.long)
+        valid = ws.blocks[layers][:, :, order_t] >= 0  # [L, H, n]
+        # Valid positions first, in order: full blocks, then the partial window block last.
+        rank = torch.where(valid, torch.arange(len(order))[None, None, :], len(order) + 1)
+        sorted_pos = order_t[rank.argsort(dim=-1, stable=True)]  # [L, H, n]
+        pages = torch.tensor(ws.pages, dtype=torch.long)
+        slots = pages[sorted_pos] * H + torch.arange(H)[None, :, None]
+        count = valid.sum(-1)
+        cache_lens = (count - (1 if partial else 0)) * bs + partial
+        return slots.int(), cache_lens.int()
+
+    def write_slots(self, ws: WorkingSet, cached: int) -> list[int]:
+        """GPU slot of each KV head for the token being added (its block's window position)."""
+        page = ws.pages[ws.window_position(cached // self.block_size)]
+        return [page * self.Hkv + h for h in range(self.Hkv)]
+
+    def start_token(self, ws: WorkingSet, cached: int) -> None:
+        """Book the new token's block into the window ring (it replaces the oldest window block,
+        already written through to the host)."""
+        b = cached // self.block_size
+        if cached % self.block_size == 0:
+            ws.blocks[:, :, ws.window_position(b)] = b
+
+    def update_summaries(self, ws: WorkingSet, layer: int, key: torch.Tensor, cached: int) -> None:
+        """key: [H, D] post-RoPE key of the token added at position `cached`."""
+        b = cached // self.block_size
+        update_block_minmax(ws.kmin[layer], ws.kmax[layer], torch.tensor([b], device=self.device),
+                            key[None], torch.tensor([cached % self.block_size == 0], device=self.device))
+
+    def write_through(self, ws: WorkingSet, cached: int) -> None:
+        """After the token at position `cached` is stored: a completed block goes to the host."""
+        if (cached + 1) % self.block_size:
+            return
+        b = cached // self.block_size
+        slots = torch.tensor(self.write_slots(ws, cached), device=self.device)
+        items = self.host.extent_items(ws.extent)
+        items[:, b].copy_(self.kv[:, slots].to(items.device))

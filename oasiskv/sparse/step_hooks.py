@@ -1,0 +1,49 @@
+"""What a decode step asks of the sparse manager inside each layer, around attention."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from oasiskv.sparse.drafters import USES_DRAFT_TOKEN
+
+
+@dataclass
+class SparseRow:
+    batch_index: int  # b: its tokens are rows b*Q (the real token) and b*Q+1 (the draft)
+    ws: object  # WorkingSet
+    cached: int  # tokens in the cache before this step's token
+
+
+@dataclass
+class SparseStepHooks:
+    manager: object
+    rows: list[SparseRow]
+    query_len: int
+    drafter: str
+    prefetch: bool = True  # off for the oracle's first pass
+    record_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # token row -> [L, Hq, D]
+
+    def before_attention(self, layer: int, q, k, meta) -> None:
+        if self.drafter != "ondemand" or not self.prefetch:
+            return
+        # Quest/ArkVale-style retrieval: this token's own query, fetched on the critical path.
+        m = self.manager
+        for r in self.rows:
+            m.prefetch(r.ws, layer, q[r.batch_index * self.query_len], r.cached, m.cfg.top_k_blocks)
+            slots, lens = m.attention_tables(r.ws, r.cached, layers=slice(layer, layer + 1))
+            n = slots.shape[-1]
+            meta.slot_tables[layer, r.batch_index, :, :n] = slots[0].to(meta.slot_tables.device)
+            meta.cache_lens[layer, r.batch_index] = lens[0].to(meta.cache_lens.device)
+
+    def after_attention(self, layer: int, q, k, meta) -> None:
+        for row, buf in self.record_rows.items():
+            buf[layer] = q[row]
+        m, Q = self.manager, self.query_len
+        for r in self.rows:
+            m.update_summaries(r.ws, layer, k[r.batch_index * Q], r.cached)
+            if not self.prefetch or self.drafter == "ondemand":
+                continue
+            # The lookahead query predicts step t+1's blocks; `prev` uses the current token's.
+            row = r.batch_index * Q + (1 if self.drafter in USES_DRAFT_TOKEN else 0)
+            m.prefetch(r.ws, layer, q[row], r.cached + 1, m.cap)

@@ -1,0 +1,80 @@
+"""The head-wise working set of one sparse request (DESIGN §2), and its per-step bookkeeping.
+
+The request owns P = S + K + W GPU pages. Position i of head h (in every layer) is the
+physical slot `pages[i] * Hkv + h`; what changes from step to step is which logical block
+each (layer, head, position) holds:
+  positions [0, S)         sink blocks 0..S-1, fixed
+  positions [S, S+K)       the K dynamic blocks chosen by prediction + capped eviction
+  positions [S+K, S+K+W)   the local window, a ring: block b sits at S + K + b % W
+The full KV stays in the host pool (write-through as blocks complete); the per-block
+min/max key summaries stay on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from oasiskv.sparse.config import SparseConfig
+
+
+@dataclass
+class SparseStats:
+    steps: int = 0
+    predicted: int = 0  # predicted blocks, summed over (layer, head, step)
+    hits: int = 0
+    admitted: int = 0
+    evicted: int = 0
+    bytes_to_device: int = 0
+    drafts: int = 0  # draft tokens proposed
+    drafts_accepted: int = 0  # ... that equalled the real next token
+
+    def as_dict(self, resident_blocks: int, total_blocks: int) -> dict:
+        return {
+            "sparse_steps": self.steps,
+            "resident_blocks_per_head": resident_blocks,
+            "context_blocks": total_blocks,
+            "predicted": self.predicted, "hits": self.hits,
+            "hit_rate": self.hits / self.predicted if self.predicted else None,
+            "admitted": self.admitted, "evicted": self.evicted,
+            "bytes_to_device": self.bytes_to_device,
+            "blocks_fetched_per_step": self.admitted / self.steps if self.steps else 0.0,
+            "bytes_fetched_per_step": self.bytes_to_device / self.steps if self.steps else 0.0,
+            "draft_acceptance": self.drafts_accepted / self.drafts if self.drafts else None,
+        }
+
+
+@dataclass
+class WorkingSet:
+    cfg: SparseConfig
+    pages: list[int]  # P GPU pages
+    extent: object  # the request's HostExtent
+    blocks: torch.Tensor  # [L, Hkv, P] int32 logical block per position, -1 empty
+    last_selected: torch.Tensor  # [L, Hkv, K] int64
+    kmin: torch.Tensor  # [L, max_blocks, Hkv, D] summaries
+    kmax: torch.Tensor
+    draft: int | None = None  # the lookahead token proposed for the next step
+    stats: SparseStats = field(default_factory=SparseStats)
+
+    @property
+    def dynamic(self) -> slice:
+        return slice(self.cfg.sink_blocks, self.cfg.sink_blocks + self.cfg.top_k_blocks)
+
+    def window_position(self, block: int) -> int:
+        c = self.cfg
+        return c.sink_blocks + c.top_k_blocks + block % c.window_blocks
+
+    def window_start(self, num_tokens: int, block_size: int) -> int:
+        """First window block once the context holds `num_tokens` tokens plus the one being added."""
+        cur = num_tokens // block_size  # the block the newest token goes to
+        return max(self.cfg.sink_blocks, cur - self.cfg.window_blocks + 1)
+
+    def window_positions(self, cached: int, block_size: int) -> tuple[list[int], int]:
+        """Window positions holding cached tokens, oldest first (the partial block last), and
+        how many tokens the partial block holds, for a step that adds token number `cached`."""
+        cur = cached // block_size
+        positions = [self.window_position(b) for b in range(self.window_start(cached, block_size), cur)]
+        partial = cached % block_size
+        if partial:
+            positions.append(self.window_position(cur))
+        return positions, partial
