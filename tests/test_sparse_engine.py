@@ -1,0 +1,95 @@
+"""Sparse decode on the real default model: exact with a full budget, and under bad input."""
+import argparse
+
+import pytest
+
+from oasiskv import LLM, SamplingParams
+
+GREEDY64 = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)  # prefill + 64 decode steps
+
+
+def _long_ids(llm, n_tokens):
+    # Real text nobody here wrote: Python's own argparse module.
+    text = open(argparse.__file__).read()
+    return llm.tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return LLM(max_model_len=4200)
+
+
+@pytest.fixture(scope="module")
+def prompt(dense):
+    return _long_ids(dense, 1100)
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(dense, prompt):
+    return dense.generate(prompt, GREEDY64)[0].token_ids
+
+
+@pytest.mark.parametrize("drafter", ["self", "ngram", "prev", "oracle", "ondemand"])
+def test_full_budget_reproduces_dense(drafter, prompt, dense_tokens):
+    """K >= context blocks: every block is resident, so sparse greedy == dense greedy."""
+    llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=80, sparse_threshold=1024, drafter=drafter,
+              host_kv_gb=0.5)
+    out = llm.generate(prompt, GREEDY64)[0]
+    assert out.token_ids == dense_tokens
+    assert out.stats["sparse_steps"] == 64
+    if drafter == "oracle":
+        assert out.stats["draft_acceptance"] == 1.0
+
+
+def test_full_budget_4k_prompt(dense):
+    ids = _long_ids(dense, 4000)
+    want = dense.generate(ids, GREEDY64)[0].token_ids
+    llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=256, sparse_threshold=1024, host_kv_gb=0.5)
+    out = llm.generate(ids, GREEDY64)[0]
+    assert out.token_ids == want
+
+
+def test_small_budget_caps_traffic(prompt):
+    llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=16, window_blocks=4, sink_blocks=1,
+              sparse_threshold=1024, fetch_ratio=0.1, host_kv_gb=0.5)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    st = out.stats
+    layers, heads = 30, 3
+    cap = 2  # ceil(0.1 * 16)
+    assert st["admitted"] <= cap * layers * heads * st["sparse_steps"]
+    assert st["resident_blocks_per_head"] == 21
+    assert st["bytes_to_device"] == st["admitted"] * 2 * 16 * 64 * 4
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"top_k_blocks": 0}, "top-k-blocks"),
+    ({"fetch_ratio": 0.0}, "fetch-ratio"),
+    ({"fetch_ratio": 1.5}, "fetch-ratio"),
+    ({"drafter": "eagle9"}, "drafter"),
+    ({"window_blocks": 0}, "window-blocks"),
+    ({"host_kv_gb": -1}, "host-kv-gb"),
+    ({"sparse_threshold": 32}, "sparse-threshold"),
+])
+def test_bad_sparse_flags(kwargs, words):
+    from oasiskv.config import EngineConfig
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(sparse=True, **kwargs)
+
+
+def test_host_pool_too_small_makes_request_wait(prompt):
+    """Two long requests, a host pool that holds one: the second waits, then runs."""
+    L, H, bs, D = 30, 3, 16, 64
+    one_request = L * H * 2 * bs * D * 4 * -(-(len(prompt) + 8) // bs)  # float32 items
+    llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=16, sparse_threshold=1024,
+              host_kv_gb=1.5 * one_request / 2**30)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = llm.engine
+    a = engine.add_request(prompt, params)
+    b = engine.add_request(prompt, params)
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == [a]
+    assert [s.request_id for s in engine.scheduler.waiting] == [b]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[a].token_ids == done[b].token_ids and len(done[b].token_ids) == 8
