@@ -21,6 +21,11 @@ def _generate(args) -> int:
     if args.prompt_file:
         with open(args.prompt_file) as f:
             prompt = f.read()
+        if args.max_prompt_tokens and engine.tokenizer is not None:
+            ids = engine.tokenizer.encode(prompt, add_special_tokens=False)[:args.max_prompt_tokens]
+            prompt = engine.tokenizer.decode(ids)
+        if args.prompt:  # an instruction after the document
+            prompt = f"{prompt}\n\n{args.prompt}"
     if prompt is None:
         raise ValueError("give --prompt TEXT or --prompt-file PATH")
     if args.chat:
@@ -41,7 +46,26 @@ def _generate(args) -> int:
         print(json.dumps(d))
     else:
         print(out.text)
+        if out.stats:
+            print(format_kv_stats(out, engine), file=sys.stderr)
     return 0
+
+
+def format_kv_stats(out, engine) -> str:
+    """Where the KV lived and what moved, for a request that decoded sparse."""
+    st, mc, r = out.stats, engine.runner.model_config, engine.runner
+    item = 2 * engine.config.block_size * mc.head_dim * r.dtype.itemsize  # one (block, head) K+V
+    full = st["context_blocks"] * mc.num_layers * mc.num_kv_heads * item
+    on_gpu = min(st["resident_blocks_per_head"], st["context_blocks"]) * mc.num_layers * mc.num_kv_heads * item
+    return "\n".join([
+        f"--- KV: {st['context_blocks']} blocks of context; full KV {full / 2**20:.1f} MiB in the host pool, "
+        f"working set {on_gpu / 2**20:.1f} MiB on {r.device.type} ({100 * on_gpu / full:.0f}%)",
+        f"--- {st['sparse_steps']} sparse steps: {st['blocks_fetched_per_step']:.1f} (block, head) items "
+        f"= {st['bytes_fetched_per_step'] / 1024:.1f} KiB fetched per step across {mc.num_layers} layers; "
+        f"lookahead hit rate {100 * (st['hit_rate'] or 0):.1f}%",
+        f"--- draft acceptance: " + (f"{100 * st['draft_acceptance']:.1f}%" if st["draft_acceptance"] is not None
+                                     else "n/a (this drafter sends no draft)"),
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="complete one prompt and print it")
     g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-file", default=None, help="read the prompt from a file")
+    g.add_argument("--prompt-file", default=None, help="read the prompt (a document) from a file; "
+                   "--prompt is then appended as the instruction")
+    g.add_argument("--max-prompt-tokens", type=int, default=None, help="keep the file's first N tokens")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
