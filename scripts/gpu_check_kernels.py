@@ -22,22 +22,12 @@ import sys
 import torch
 import triton
 
-try:
-    import oasiskv  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    # The kernels need nothing from the engine: if the package's __init__ (the whole engine)
-    # cannot be imported on this machine, load the kernels without it.
-    import types
-    print(f"note: importing oasiskv failed ({e!r}); loading oasiskv.kernels alone")
-    _pkg = types.ModuleType("oasiskv")
-    _pkg.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "oasiskv")]
-    sys.modules["oasiskv"] = _pkg
-
+from oasiskv.bench.roofline import HBM_BYTES_PER_S
 from oasiskv.kernels.paged_decode import choose_num_splits, paged_decode_torch, paged_decode_triton
 from oasiskv.kernels.reference import paged_decode_ref, store_kv_ref
 from oasiskv.kernels.store_kv import store_kv_triton
 
-PEAK_TBS = 4.25  # DESIGN §7: measured device-to-device copy on the H200
+PEAK_TBS = HBM_BYTES_PER_S / 1e12
 BS, HQ, HKV, D = 16, 32, 8, 128  # Qwen3-8B attention heads
 DEV = "cuda"
 results = {"checks": [], "sweep": [], "table": []}

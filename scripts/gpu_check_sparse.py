@@ -23,22 +23,12 @@ import sys
 
 import torch
 
-try:
-    import oasiskv  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    # These blocks need nothing from the engine: load oasiskv.sparse alone if the package's
-    # __init__ (the whole engine) cannot be imported on this machine.
-    import types
-    print(f"note: importing oasiskv failed ({e!r}); loading oasiskv.sparse alone")
-    _pkg = types.ModuleType("oasiskv")
-    _pkg.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "oasiskv")]
-    sys.modules["oasiskv"] = _pkg
-
-from oasiskv.sparse.block_scores import (score_blocks_ref, score_blocks_torch,  # noqa: E402
+from oasiskv.bench.roofline import HBM_BYTES_PER_S
+from oasiskv.sparse.block_scores import (score_blocks_ref, score_blocks_torch,
                                          score_blocks_triton, score_topk_triton, topk_blocks)
-from oasiskv.sparse.capped_eviction import capped_eviction  # noqa: E402
+from oasiskv.sparse.capped_eviction import capped_eviction
 
-PEAK_TBS = 4.25  # DESIGN §7: device-to-device copy on the H200
+PEAK_TBS = HBM_BYTES_PER_S / 1e12
 HQ, HKV, D = 32, 8, 128  # Qwen3-8B attention heads
 G = HQ // HKV
 DEV = "cuda"

@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # when run as a script by the interpreter subprocess
-    sys.path.insert(0, str(REPO))
-
-from oasiskv.sparse.block_scores import (score_blocks_ref, score_blocks_torch,  # noqa: E402
+from oasiskv.sparse.block_scores import (score_blocks_ref, score_blocks_torch,
                                          score_topk, topk_blocks)
-from oasiskv.sparse.summaries import block_minmax  # noqa: E402
+from oasiskv.sparse.summaries import block_minmax
 
 # Scores are float32 sums of 2·D products in every path; only the order differs, so the gap
 # is float32 rounding: 1e-5 of the row's largest |score| (which is ~10..100 here).
@@ -146,13 +140,7 @@ def run_interpreter_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("name", list(TRITON_CASES), ids=str)

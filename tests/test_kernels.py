@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # when run as a script by the interpreter subprocess
-    sys.path.insert(0, str(REPO))
-
-from oasiskv.kernels.reference import paged_decode_ref, store_kv_ref  # noqa: E402
+from oasiskv.kernels.reference import paged_decode_ref, store_kv_ref
 
 # Output tolerance by dtype: float32 math everywhere, so the gap is the output rounding
 # (fp16/bf16) plus, in Triton, P cast to the cache dtype before the P @ V dot.
@@ -135,13 +129,7 @@ def run_interpreter_cases() -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def interpreter_errors():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("name", list(DECODE_CASES), ids=str)

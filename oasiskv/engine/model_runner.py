@@ -149,8 +149,14 @@ class ModelRunner:
         self.pending_conversions.append((seq, buf))
         return buf
 
+    def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
+        """A batch takes the two-row sparse path only if a request in it is sparse or converts
+        after this step; otherwise it is a plain dense step (CUDA graphs, one row each)."""
+        m = self.sparse
+        return m is not None and any(s.sparse is not None or m.should_convert(s, s.num_tokens) for s in seqs)
+
     def prepare_decode(self, seqs: list[Sequence]):
-        if self.sparse is not None:
+        if self.needs_sparse_step(seqs):
             return self.prepare_mixed_decode(seqs)
         B, Hkv = len(seqs), self.num_kv_heads
         positions = np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64)
@@ -251,7 +257,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_caches, meta)[rows]
             sampling_seqs = [s for s, n in zip(batch.seqs, batch.num_tokens)
                              if s.num_cached_tokens + n == s.num_tokens]
-        elif self.sparse is not None:
+        elif self.needs_sparse_step(batch.seqs):
             return self.run_sparse_decode(batch.seqs)
         else:
             hidden = self.run_decode(batch.seqs)

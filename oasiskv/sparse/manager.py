@@ -55,12 +55,14 @@ class SparseManager:
         self.step = 0
 
     # ---- admission (scheduler side) -------------------------------------------------
+    def max_tokens(self, seq, max_model_len: int) -> int:
+        return min(len(seq.prompt_token_ids) + seq.params.max_tokens, max_model_len)
+
     def may_go_sparse(self, seq, max_model_len: int) -> bool:
-        return min(seq.num_tokens + seq.params.max_tokens, max_model_len) > self.cfg.sparse_threshold
+        return self.max_tokens(seq, max_model_len) > self.cfg.sparse_threshold
 
     def max_blocks(self, seq, max_model_len: int) -> int:
-        total = min(len(seq.prompt_token_ids) + seq.params.max_tokens, max_model_len)
-        return math.ceil(total / self.block_size)
+        return math.ceil(self.max_tokens(seq, max_model_len) / self.block_size)
 
     def reserve(self, seq, max_model_len: int) -> bool:
         """Host bytes for the request's full KV, taken at admission; False = it must wait."""
