@@ -93,3 +93,15 @@ def test_host_pool_too_small_makes_request_wait(prompt):
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[a].token_ids == done[b].token_ids and len(done[b].token_ids) == 8
+
+
+def test_sparse_requests_batched_together(dense):
+    """Two sparse requests decode in one batch (2 query rows each) and match dense."""
+    ids = _long_ids(dense, 2300)
+    prompts = [ids[:1100], ids[1100:2300]]
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    want = [o.token_ids for o in dense.generate(prompts, params)]
+    llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=80, sparse_threshold=1024, host_kv_gb=0.5)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert all(o.stats["sparse_steps"] == 16 for o in got)

@@ -56,7 +56,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         if tables.dim() == 4:
             tables, lens = tables[layer], lens[layer]
         out = paged_decode(q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D),
-                           kv_cache, tables, lens, scale).view(T, Hq, D)
+                           kv_cache, tables, lens, scale).reshape(T, Hq, D)
     if meta.hooks is not None:
         meta.hooks.after_attention(layer, q, k, meta)
     return out
