@@ -97,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(t)
     t.set_defaults(func=run_throughput)
 
+    e = sub.add_parser("eval", help="accuracy evaluations on a real model")
+    esub = e.add_subparsers(dest="eval", required=True)
+    from oasiskv.eval.passkey import add_passkey_args, run_passkey
+    pk = esub.add_parser("passkey", help="needle (pass key) retrieval: dense vs sparse drafters")
+    add_passkey_args(pk)
+    add_engine_args(pk)
+    pk.set_defaults(func=run_passkey)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
