@@ -186,7 +186,7 @@ class SparseManager:
         """Slot table [L, H, P] and cached-token counts [L, H] for a step adding token `cached`."""
         cfg, bs, H = self.cfg, self.block_size, self.Hkv
         window, partial = ws.window_positions(cached, bs)
-        order = list(range(cfg.sink_blocks)) + list(range(cfg.sink_blocks, cfg.sink_blocks + cfg.top_k_blocks)) + window
+        order = list(range(cfg.sink_blocks + cfg.top_k_blocks)) + window  # sinks, dynamic, window
         order_t = torch.tensor(order, dtype=torch.long)
         valid = ws.blocks[layers][:, :, order_t] >= 0  # [L, H, n]
         # Valid positions first, in order: full blocks, then the partial window block last.
