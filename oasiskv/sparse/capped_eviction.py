@@ -114,3 +114,117 @@ def _long(x: int | torch.Tensor, dev: torch.device) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.to(dev, torch.long)
     return torch.full((), x, dtype=torch.long, device=dev)
+
+
+# --------------------------------------------------------------------------- in place (pipeline)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch path
+    triton = None
+
+STAT_HITS, STAT_MISSED, STAT_ADMITTED, STAT_EVICTED = range(4)
+
+
+def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predicted: torch.Tensor,
+                     num_sink: int, window_start: torch.Tensor, num_heads: int, cap: int,
+                     step: torch.Tensor, admit_blocks: torch.Tensor, admit_slots: torch.Tensor,
+                     stats: torch.Tensor) -> None:
+    """The pipeline's form of `capped_eviction`: same policy, state updated in place.
+
+    resident, last_selected: [R, K] int32 (rows = request * num_heads + head); predicted: [R, P]
+    int32 best first without duplicates (top-K output); window_start: [R // num_heads] per
+    request; step: int32 device scalar. Writes admit_blocks / admit_slots [R, cap] (-1 unused)
+    and adds (hits, missed, admitted, evicted) to stats [R, 4] int64.
+
+    On CUDA one Triton program per row does the whole policy in registers: the torch version
+    takes ~40 launches and 0.2 ms per layer at R=128, K=128 (DESIGN §7 budget per layer is a
+    few tens of µs); elsewhere it is the torch version."""
+    if resident.is_cuda and triton is not None:
+        _capped_eviction_triton(resident, last_selected, predicted, num_sink, window_start,
+                                num_heads, cap, step, admit_blocks, admit_slots, stats)
+        return
+    win = window_start.long().repeat_interleave(num_heads)
+    plan = capped_eviction(resident, last_selected.long(), predicted, num_sink, win, cap, step)
+    resident.copy_(plan.resident)
+    last_selected.copy_(plan.last_selected)
+    admit_blocks.copy_(plan.admit_blocks)
+    admit_slots.copy_(plan.admit_slots)
+    stats += torch.stack([plan.hits, plan.missed, plan.admitted, plan.evicted], 1).long()
+
+
+def _capped_eviction_triton(resident, last_selected, predicted, num_sink, window_start, num_heads,
+                            cap, step, admit_blocks, admit_slots, stats):
+    R, K = resident.shape
+    P = predicted.shape[1]
+    assert resident.dtype == last_selected.dtype == predicted.dtype == torch.int32
+    assert resident.is_contiguous() and last_selected.is_contiguous() and predicted.is_contiguous()
+    if R:
+        _capped_eviction_kernel[(R,)](
+            resident, last_selected, predicted, window_start, step, admit_blocks, admit_slots, stats,
+            num_heads, K, P, cap, num_sink,
+            KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P),
+            CP=triton.next_power_of_2(max(cap, 1)), num_warps=4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _capped_eviction_kernel(res_ptr, last_ptr, pred_ptr, win_ptr, step_ptr, admit_blk_ptr,
+                                admit_slot_ptr, stats_ptr, num_heads, K, P, cap, num_sink,
+                                KP: tl.constexpr, PP: tl.constexpr, CP: tl.constexpr):
+        row = tl.program_id(0)
+        row64 = row.to(tl.int64)
+        k = tl.arange(0, KP)
+        p = tl.arange(0, PP)
+        c = tl.arange(0, CP)
+        kmask = k < K
+        res = tl.load(res_ptr + row64 * K + k, mask=kmask, other=-1)
+        last = tl.load(last_ptr + row64 * K + k, mask=kmask, other=0)
+        pred = tl.load(pred_ptr + row64 * P + p, mask=p < P, other=-1)
+        win = tl.load(win_ptr + row // num_heads).to(tl.int32)
+        step = tl.load(step_ptr)
+
+        valid = pred >= 0
+        static = valid & ((pred < num_sink) | (pred >= win))
+        match = (pred[:, None] == res[None, :]) & valid[:, None] & (res >= 0)[None, :]
+        pred_resident = tl.max(match.to(tl.int32), axis=1) > 0  # [PP]
+        slot_hit = tl.max(match.to(tl.int32), axis=0) > 0  # [KP]
+        cand = valid & (static == 0) & (pred_resident == 0)
+        missed = tl.sum(cand.to(tl.int32), axis=0)
+        hits = tl.sum(valid.to(tl.int32), axis=0) - missed
+
+        # Victim order: empty slots, then least recently selected, then lower slot (argmin
+        # breaks ties to the left); hit slots and padding are never taken.
+        BIG: tl.constexpr = 2147483647
+        key = tl.where(res < 0, -BIG, last)
+        key = tl.where(slot_hit | (kmask == 0), BIG, key)
+        num_victims = tl.sum((kmask & (slot_hit == 0)).to(tl.int32), axis=0)
+        n_admit = tl.minimum(tl.minimum(missed, num_victims), cap)
+        rank = tl.cumsum(cand.to(tl.int32), axis=0) - 1
+
+        admit_blk = tl.full([CP], -1, tl.int32)
+        admit_slot = tl.full([CP], -1, tl.int32)
+        evicted = n_admit * 0
+        for i in range(0, n_admit):
+            blk = tl.sum(tl.where(cand & (rank == i), pred, 0), axis=0)
+            victim = tl.argmin(key, axis=0, tie_break_left=True).to(tl.int32)
+            at = k == victim
+            evicted += (tl.sum(tl.where(at, res, 0), axis=0) >= 0).to(tl.int32)
+            res = tl.where(at, blk, res)
+            last = tl.where(at, step, last)
+            key = tl.where(at, BIG, key)
+            admit_blk = tl.where(c == i, blk, admit_blk)
+            admit_slot = tl.where(c == i, victim, admit_slot)
+        last = tl.where(slot_hit, step, last)
+
+        tl.store(res_ptr + row64 * K + k, res, mask=kmask)
+        tl.store(last_ptr + row64 * K + k, last, mask=kmask)
+        tl.store(admit_blk_ptr + row64 * cap + c, admit_blk, mask=c < cap)
+        tl.store(admit_slot_ptr + row64 * cap + c, admit_slot, mask=c < cap)
+        s = stats_ptr + row64 * 4
+        tl.store(s + 0, tl.load(s + 0) + hits)
+        tl.store(s + 1, tl.load(s + 1) + missed)
+        tl.store(s + 2, tl.load(s + 2) + n_admit)
+        tl.store(s + 3, tl.load(s + 3) + evicted)

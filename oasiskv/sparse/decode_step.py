@@ -1,0 +1,68 @@
+"""One decode step of a batch of sparse requests: two query rows per request (the token and
+its lookahead draft), the foreground tables built on the device from the pipeline's state,
+the per-layer pipeline launched from inside the layers, and the join at the end. On CUDA the
+whole step (foreground and the three pipeline streams) is one CUDA graph; the host only
+writes the input token ids before each replay.
+"""
+from __future__ import annotations
+
+import torch
+
+from oasiskv.layers.attention import AttentionMetadata
+from oasiskv.sparse.pipeline import LookaheadPipeline
+
+
+class SparseDecodeStep:
+    def __init__(self, model, kv_caches: list[torch.Tensor], pipeline: LookaheadPipeline,
+                 max_position: int, use_graph: bool):
+        p = self.pipeline = pipeline
+        self.model, self.kv_caches, self.max_position = model, kv_caches, max_position
+        self.ids = torch.zeros(p.R * 2, dtype=torch.long, device=p.device)
+        self.graph = None
+        if use_graph:
+            self._capture()
+
+    @torch.inference_mode()
+    def _forward(self) -> torch.Tensor:
+        p, R, H = self.pipeline, self.pipeline.R, self.pipeline.H
+        if p.timing is not None:
+            p.timing.start.record()
+        p.step += 1
+        tables, lens, slots, offsets = p.step_tables()
+        n = p.cached.long()
+        positions = torch.stack([n, (n + 1).clamp_max(self.max_position - 1)], 1).view(-1)
+        meta = AttentionMetadata(
+            write_slots=torch.stack([slots, torch.full_like(slots, -1)], 1).view(R * 2, H),
+            write_offsets=torch.stack([offsets, torch.zeros_like(offsets)], 1).view(-1),
+            slot_tables=tables, cache_lens=lens, query_len=2, hooks=p)
+        hidden = self.model(self.ids, positions, self.kv_caches, meta)
+        p.join()
+        p.cached += p.active.int()  # the token is in the cache now
+        return hidden
+
+    def _capture(self) -> None:
+        p = self.pipeline
+        saved = [t.clone() for t in self._mutable()]
+        self._forward()  # warm-up: compiles kernels outside the capture
+        torch.cuda.synchronize()
+        for t, s in zip(self._mutable(), saved):  # the warm-up step must leave no trace
+            t.copy_(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.hidden = self._forward()
+        for t, s in zip(self._mutable(), saved):  # nor the capture (it ran nothing, but be sure)
+            t.copy_(s)
+        torch.cuda.synchronize()
+
+    def _mutable(self) -> list[torch.Tensor]:
+        p = self.pipeline
+        return [p.resident, p.last, p.kmin, p.kmax, p.cached, p.step, p.stats, p.fetched_items]
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [R*2] (token, draft) per row -> hidden states [R*2, hidden]."""
+        self.ids.copy_(ids, non_blocking=True)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.hidden

@@ -1,0 +1,245 @@
+"""The lookahead prefetch pipeline (DESIGN §3, paper eq. (3)-(4)): the GPU-resident state of the
+sparse requests of a decode batch, and per layer three stages that run in the background:
+
+    predict   score every block from the summaries with the draft query, top-K per KV head
+    select    capped eviction: which predicted blocks come in, which LRU blocks leave
+    transfer  copy the admitted (layer, block, head) items host -> their GPU slots
+
+After layer l's attention the foreground records an event and moves on to layer l+1; the
+predict stream waits on that event, the select stream on predict's, the transfer stream on
+select's. Every stage is GPU tensor work with fixed shapes (no host sync, no Python loop
+over blocks), so the whole step, foreground and pipeline, is captured in one CUDA graph;
+the streams join the foreground at the end of the step, and how long the foreground waits
+there is the pipeline stall.
+
+State, for up to R requests ("rows"), all on the device:
+    pages [R, P]            GPU pages of each row's working set; position i of head h is
+                            slot pages[i] * Hkv + h: [0,S) sinks, [S,S+K) dynamic, then the
+                            window ring (block b at S + K + b % W)
+    resident, last [L, R*Hkv, K]   logical block of each dynamic slot, the step it was last
+                            selected; rows r * Hkv + h
+    kmin, kmax [L, NB, Hkv, D]     block summaries, row r's blocks from summary_offset[r]
+    host extent of each row (start item, max blocks) for the transfer's addresses
+    cached [R]              tokens in the cache before this step's token; active [R]
+The foreground of a step reads tables built from this state (`step_tables`), so a step
+never needs the host to know which blocks are resident.
+"""
+from __future__ import annotations
+
+import torch
+
+from oasiskv.kernels.copy_items import DEFAULT_PROGRAMS, copy_items, device_view
+from oasiskv.sparse.block_scores import score_topk
+from oasiskv.sparse.capped_eviction import capped_eviction_
+from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.host_pool import HostExtent, HostKVPool
+from oasiskv.sparse.summaries import update_block_minmax
+
+_LAST = 2 ** 30  # sort key of an invalid working-set position: after every valid one
+
+
+class LookaheadPipeline:
+    def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, host: HostKVPool,
+                 max_rows: int, max_blocks: int, summary_blocks: int, block_size: int, *,
+                 background: bool | None = None, transfer_programs: int = DEFAULT_PROGRAMS):
+        """kv: [L, num_slots, 2, block_size, D], the engine's page pool; max_blocks: blocks of
+        the longest request (the width of the score buffer, fixed per graph); summary_blocks:
+        blocks of summaries to hold across all rows; background: run the stages on side streams
+        (default: on CUDA)."""
+        mc = model_config
+        self.cfg, self.kv, self.host, self.bs = cfg, kv, host, block_size
+        self.L, self.H, self.D, self.G = mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.group_size
+        self.S, self.K, self.W = cfg.sink_blocks, cfg.top_k_blocks, cfg.window_blocks
+        self.P, self.C, self.R = cfg.working_set_blocks, cfg.fetch_cap, max_rows
+        self.max_blocks = max_blocks
+        self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
+        self.transfer_programs = transfer_programs
+        dev = self.device = kv.device
+        L, R, H, K = self.L, self.R, self.H, self.K
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.pages = torch.zeros(R, self.P, **i32)
+        self.resident = torch.full((L, R * H, K), -1, **i32)
+        self.last = torch.full((L, R * H, K), -1, **i32)
+        self.kmin = torch.zeros(L, summary_blocks, H, self.D, dtype=kv.dtype, device=dev)
+        self.kmax = torch.zeros_like(self.kmin)
+        self.summary_offset = torch.zeros(R, dtype=torch.long, device=dev)
+        self.extent_start = torch.zeros(R, dtype=torch.long, device=dev)
+        self.extent_blocks = torch.zeros(R, dtype=torch.long, device=dev)
+        self.cached = torch.zeros(R, **i32)
+        self.active = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.step = torch.zeros((), **i32)
+        self.stats = torch.zeros(R * H, 4, dtype=torch.long, device=dev)  # hits, missed, admitted, evicted
+        self.fetched_items = torch.zeros(R, dtype=torch.long, device=dev)
+        # Per-layer hand-off buffers between stages: they outlive the step, so no stream ever
+        # reads memory the allocator has given to another.
+        self.draft_q = torch.zeros(L, R, mc.num_heads, self.D, dtype=kv.dtype, device=dev)
+        self.predicted = torch.full((L, R * H, K), -1, **i32)
+        self.admit_blocks = torch.full((L, R * H, self.C), -1, **i32)
+        self.admit_slots = torch.full((L, R * H, self.C), -1, **i32)
+        self.host_items = device_view(host.items, dev) if dev.type == "cuda" else host.items
+        self.background = dev.type == "cuda" if background is None else background
+        if self.background:
+            self.streams = [torch.cuda.Stream(dev) for _ in range(3)]  # predict, select, transfer
+        self.timing = None  # PipelineTiming when step timing is on
+
+    # ---- rows ----------------------------------------------------------------------
+    def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
+        """Give row `row` its working-set pages, host extent and summary range. The caller then
+        fills resident / summaries / host items (conversion) and sets cached and active."""
+        assert len(pages) == self.P and extent.num_kv_heads == self.H and extent.num_layers == self.L
+        self.pages[row] = torch.tensor(pages, dtype=torch.int32)
+        self.extent_start[row] = extent.start
+        self.extent_blocks[row] = extent.max_blocks
+        self.summary_offset[row] = summary_offset
+        rows = slice(row * self.H, (row + 1) * self.H)
+        self.resident[:, rows] = -1
+        self.last[:, rows] = -1
+        self.stats[rows] = 0
+        self.fetched_items[row] = 0
+
+    # ---- the foreground's tables, from the state alone ---------------------------------
+    def step_tables(self):
+        """For the step that adds token number cached[r] to each row: slot tables [L, R, H, P]
+        (valid slots first: sinks, dynamic, full window blocks oldest first, the partial block
+        last, as the decode kernel walks them), cached-token counts [L, R, H], and where the new
+        token's K/V goes: slots [R, H] (-1 for inactive rows) and offsets [R]."""
+        S, K, W, bs, H, L, R = self.S, self.K, self.W, self.bs, self.H, self.L, self.R
+        n = self.cached.long()
+        cur, partial = n // bs, n % bs
+        win = (cur - W + 1).clamp_min(S)
+        j = torch.arange(W, device=self.device)
+        block_at = cur[:, None] - (cur[:, None] - j) % W  # window position j holds this block
+        filled = (block_at < cur[:, None]) | ((block_at == cur[:, None]) & (partial[:, None] > 0))
+        wvalid = (block_at >= win[:, None]) & filled
+        wkey = torch.where(wvalid, S + K + block_at - win[:, None], _LAST)  # [R, W]
+        dkey = torch.where(self.resident.view(L, R, H, K) >= 0,
+                           S + torch.arange(K, device=self.device, dtype=torch.long), _LAST)
+        skey = torch.arange(S, device=self.device, dtype=torch.long)
+        key = torch.cat([skey.expand(L, R, H, S), dkey, wkey[None, :, None, :].expand(L, R, H, W)], -1)
+        key, order = key.sort(-1)
+        pages = self.pages.long()[None, :, None, :].expand(L, R, H, self.P).gather(-1, order)
+        heads = torch.arange(H, device=self.device)
+        tables = (pages * H + heads[None, None, :, None]).int()
+        blocks = (key < _LAST).sum(-1) - (partial > 0).long()[None, :, None]
+        lens = torch.where(self.active[None, :, None], blocks * bs + partial[None, :, None], 0).int()
+        page = self.pages.long().gather(1, (S + K + cur % W)[:, None])  # [R, 1]
+        write_slots = torch.where(self.active[:, None], page * H + heads[None, :], -1).int()
+        return tables, lens, write_slots, partial.int()
+
+    # ---- hooks called by the attention layer ----------------------------------------
+    def before_attention(self, layer: int, q, k, meta) -> None:
+        pass
+
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
+        """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft)."""
+        R = self.R
+        key = k.view(R, 2, self.H, self.D)[:, 0]
+        self.update_summaries(layer, key)
+        self.draft_q[layer].copy_(q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0])
+        if not self.background:
+            self.predict(layer)
+            self.select(layer)
+            self.transfer(layer)
+            return
+        predict, select, transfer = self.streams
+        predict.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(predict):
+            self.predict(layer)
+        select.wait_stream(predict)
+        with torch.cuda.stream(select):
+            self.select(layer)
+        transfer.wait_stream(select)
+        with torch.cuda.stream(transfer):
+            self.transfer(layer)
+            if self.timing is not None:
+                self.timing.layer_done[layer].record()
+
+    def join(self) -> None:
+        """End of the step: the foreground waits for every stage (the pipeline stall)."""
+        if self.background:
+            fg = torch.cuda.current_stream(self.device)
+            if self.timing is not None:
+                self.timing.foreground_done.record()
+            for s in self.streams:
+                fg.wait_stream(s)
+            if self.timing is not None:
+                self.timing.joined.record()
+
+    # ---- the stages ----------------------------------------------------------------
+    def update_summaries(self, layer: int, key: torch.Tensor) -> None:
+        """Fold each active row's new key [R, Hkv, D] into its block's min/max."""
+        n = self.cached.long()
+        block = torch.where(self.active, self.summary_offset + n // self.bs, -1)
+        update_block_minmax(self.kmin[layer], self.kmax[layer], block, key, n % self.bs == 0)
+
+    def _next_step_range(self):
+        """Blocks of the step after this one (which adds token cached + 1): how many exist,
+        and where its window starts (sinks and window are resident, so never predicted)."""
+        n1 = self.cached.long() + 1
+        num_blocks = torch.where(self.active, n1 // self.bs + 1, 0)
+        window_start = (n1 // self.bs - self.W + 1).clamp_min(self.S)
+        return num_blocks, window_start
+
+    def predict(self, layer: int) -> None:
+        num_blocks, window_start = self._next_step_range()
+        ids, _ = score_topk(self.draft_q[layer], self.kmin[layer], self.kmax[layer],
+                            self.summary_offset, num_blocks, self.G, self.K,
+                            max_blocks=self.max_blocks, num_sink=self.S,
+                            window_start=window_start)
+        self.predicted[layer].copy_(ids.view(self.R * self.H, self.K))
+
+    def select(self, layer: int) -> None:
+        _, window_start = self._next_step_range()
+        capped_eviction_(self.resident[layer], self.last[layer], self.predicted[layer], self.S,
+                         window_start, self.H, self.C, self.step, self.admit_blocks[layer],
+                         self.admit_slots[layer], self.stats)
+
+    def transfer(self, layer: int) -> None:
+        """Admitted items host -> GPU slots; then a block the step completed goes the other way
+        (write-through), so the host pool always holds every finished block."""
+        H, C = self.H, self.C
+        row = torch.arange(self.R * H, device=self.device)
+        r, h = row // H, row % H
+        blocks = self.admit_blocks[layer].long()  # [R*H, C]
+        src = torch.where(blocks >= 0, (self.extent_start[r, None] + (layer * self.extent_blocks[r, None]
+                                        + blocks) * H + h[:, None]), -1)
+        slot = self.admit_slots[layer].long().clamp_min(0)
+        page = self.pages.long()[r[:, None], self.S + slot]
+        dst = torch.where(blocks >= 0, page * H + h[:, None], -1)
+        copy_items(self.host_items, self.kv[layer], src.view(-1), dst.view(-1), self.transfer_programs)
+        self.fetched_items += (blocks >= 0).view(self.R, H * C).sum(1)
+        self._write_through(layer)
+
+    def _write_through(self, layer: int) -> None:
+        n = self.cached.long()
+        done = self.active & ((n + 1) % self.bs == 0)  # this step's token completed its block
+        block = n // self.bs
+        page = self.pages.long().gather(1, (self.S + self.K + block % self.W)[:, None])  # [R, 1]
+        heads = torch.arange(self.H, device=self.device)
+        src = torch.where(done[:, None], page * self.H + heads[None, :], -1)
+        dst = torch.where(done[:, None], self.extent_start[:, None]
+                          + (layer * self.extent_blocks[:, None] + block[:, None]) * self.H + heads[None, :], -1)
+        copy_items(self.kv[layer], self.host_items, src.view(-1), dst.view(-1), self.transfer_programs)
+
+    # ---- sizes ---------------------------------------------------------------------
+    @property
+    def item_bytes(self) -> int:
+        return 2 * self.bs * self.D * self.kv.element_size()
+
+
+class PipelineTiming:
+    """CUDA events recorded inside the captured step: when the foreground finished its layers,
+    when the streams joined it, and when each layer's transfer finished."""
+
+    def __init__(self, num_layers: int):
+        ev = lambda: torch.cuda.Event(enable_timing=True, external=True)  # noqa: E731
+        self.start, self.foreground_done, self.joined = ev(), ev(), ev()
+        self.layer_done = [ev() for _ in range(num_layers)]
+
+    def read(self) -> dict:
+        """After a replay and a sync: stall (ms) and how many layers finished after the
+        foreground (their transfer missed the point where the step could have ended)."""
+        fg = self.start.elapsed_time(self.foreground_done)
+        return {"step_ms": self.start.elapsed_time(self.joined), "foreground_ms": fg,
+                "stall_ms": self.foreground_done.elapsed_time(self.joined),
+                "late_layers": sum(self.start.elapsed_time(e) > fg for e in self.layer_done)}
