@@ -73,6 +73,16 @@ class LLMEngine:
                              f"{self.block_manager.num_pages}; raise --kv-cache-gb")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
+        sparse = self.runner.sparse
+        if sparse is not None:  # a request whose full KV can never fit the host pool would wait forever
+            probe = Sequence("", token_ids, params)
+            if sparse.may_go_sparse(probe, self.max_model_len):
+                need = sparse.L * sparse.max_blocks(probe, self.max_model_len) * sparse.Hkv
+                if need > sparse.host.num_items:
+                    raise ValueError(f"the request's full KV ({need * sparse.item_bytes / 2**30:.2f} GiB for "
+                                     f"prompt + max_tokens) exceeds the host KV pool "
+                                     f"({sparse.host.num_items * sparse.item_bytes / 2**30:.2f} GiB); "
+                                     f"lower max_tokens or raise --host-kv-gb")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
