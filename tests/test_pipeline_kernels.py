@@ -1,0 +1,91 @@
+"""The pipeline's Triton kernels against their torch forms, under TRITON_INTERPRET=1 (one
+subprocess runs this file as a script): the in-place capped eviction over several steps of
+random histories, and the bounded-grid item copy (transfer / write-through). The GPU machine
+checks them again in bf16 (scripts/gpu_check_pipeline.py)."""
+import json
+import os
+
+import pytest
+import torch
+
+from triton_interpreter import run_under_interpreter
+
+EVICTION_CASES = {  # id: (requests, heads, K, predicted width, blocks, cap, sinks)
+    "cap1": (2, 3, 8, 8, 40, 1, 1),
+    "cap3_short_pred": (3, 2, 8, 5, 30, 3, 2),
+    "cap_eq_k": (2, 2, 6, 6, 20, 6, 1),
+    "cap_over_k": (1, 4, 4, 8, 24, 10, 0),
+}
+
+
+def random_eviction_inputs(reqs, heads, K, P, blocks, sinks, gen):
+    R = reqs * heads
+    resident = torch.full((R, K), -1, dtype=torch.int32)
+    predicted = torch.full((R, P), -1, dtype=torch.int32)
+    for r in range(R):
+        perm = torch.randperm(blocks, generator=gen)
+        n_res = int(torch.randint(K // 2, K + 1, (1,), generator=gen))
+        resident[r, :n_res] = perm[:n_res].int()
+        resident[r] = resident[r, torch.randperm(K, generator=gen)]
+        mix = torch.randperm(blocks, generator=gen)[:P]  # overlaps the resident set by chance
+        n_pred = int(torch.randint(1, P + 1, (1,), generator=gen))
+        predicted[r, :n_pred] = mix[:n_pred].int()
+    last = torch.randint(-1, 5, (R, K), generator=gen, dtype=torch.int32)
+    window_start = torch.randint(blocks // 2, blocks, (reqs,), generator=gen)
+    return resident, last, predicted, window_start
+
+
+def run_interpreter_cases() -> dict[str, float]:
+    from oasiskv.kernels.copy_items import _copy_items_triton
+    from oasiskv.sparse.capped_eviction import _capped_eviction_triton, capped_eviction_
+    errors = {}
+    gen = torch.Generator().manual_seed(7)
+    for name, (reqs, heads, K, P, blocks, cap, sinks) in EVICTION_CASES.items():
+        res, last, pred, win = random_eviction_inputs(reqs, heads, K, P, blocks, sinks, gen)
+        state = {"torch": (res.clone(), last.clone()), "triton": (res.clone(), last.clone())}
+        mismatches = 0
+        for step in range(1, 5):  # several steps: each starts from the state the last left
+            if step > 1:
+                _, _, pred, win = random_eviction_inputs(reqs, heads, K, P, blocks, sinks, gen)
+            outs = {}
+            for impl, fn in (("torch", capped_eviction_), ("triton", _capped_eviction_triton)):
+                r, l = state[impl]
+                ab = torch.full((reqs * heads, cap), -1, dtype=torch.int32)
+                asl = torch.full_like(ab, -1)
+                stats = torch.zeros(reqs * heads, 4, dtype=torch.long)
+                fn(r, l, pred, sinks, win, heads, cap, torch.tensor(step, dtype=torch.int32), ab, asl, stats)
+                outs[impl] = (r, l, ab, asl, stats)
+            mismatches += sum(not torch.equal(a.long(), b.long()) for a, b in zip(outs["torch"], outs["triton"]))
+        errors["evict_" + name] = float(mismatches)
+    for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
+        src = torch.randn(12, 2, 4, 16, generator=gen).to(dtype)
+        dst = torch.randn(9, 2, 4, 16, generator=gen).to(dtype)
+        src_idx = torch.tensor([3, -1, 0, 11, 5, 7], dtype=torch.long)
+        dst_idx = torch.tensor([8, 2, 0, 4, -1, 1], dtype=torch.long)
+        want = dst.clone()
+        for s, d in zip(src_idx.tolist(), dst_idx.tolist()):
+            if s >= 0 and d >= 0:
+                want[d] = src[s]
+        _copy_items_triton(src, dst, src_idx, dst_idx, num_programs=2)  # each program loops over items
+        errors["copy_" + name] = (dst.float() - want.float()).abs().max().item()
+    return errors
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors():
+    return run_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize("name", list(EVICTION_CASES), ids=str)
+def test_capped_eviction_triton_interpreter(interpreter_errors, name):
+    assert interpreter_errors["evict_" + name] == 0.0
+
+
+@pytest.mark.parametrize("name", ["fp16", "fp32"])
+def test_copy_items_triton_interpreter(interpreter_errors, name):
+    assert interpreter_errors["copy_" + name] == 0.0
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
+    print(json.dumps(run_interpreter_cases()))
