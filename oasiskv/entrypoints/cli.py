@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     add_throughput_args(t)
     add_engine_args(t)
     t.set_defaults(func=run_throughput)
+    from oasiskv.bench.decode import add_decode_args, run_decode_bench
+    d = bsub.add_parser("decode", help="decode throughput at long context: dense vs sparse (synthetic KV)")
+    add_decode_args(d)
+    add_engine_args(d)
+    d.set_defaults(func=run_decode_bench)
 
     e = sub.add_parser("eval", help="accuracy evaluations on a real model")
     esub = e.add_subparsers(dest="eval", required=True)

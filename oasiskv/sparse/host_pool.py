@@ -11,6 +11,7 @@ Extents are placed first-fit over a sorted free list; freeing coalesces neighbou
 from __future__ import annotations
 
 import bisect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,28 @@ def item_indices(start: torch.Tensor | int, max_blocks: torch.Tensor | int, num_
     return t(start) + (t(layer) * t(max_blocks) + t(block)) * num_kv_heads + t(head)
 
 
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly the asked size, mapped for the GPU (UVA).
+
+    `torch.empty(pin_memory=True)` goes through the caching host allocator, which rounds every
+    request up to a power of two: a 70 GiB arena would ask for 128 GiB and fail on a machine
+    with 125 GiB. So take ordinary memory and register it with CUDA instead (unregistered when
+    the tensor is freed)."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE | _REGISTER_MAPPED)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (error {int(err)}): "
+                               "lower --host-kv-gb")
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
+
+
+_REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2
+
+
 class HostKVPool:
     """Arena `items[num_items, 2, block_size, head_dim]` with per-request extents."""
 
@@ -57,8 +80,8 @@ class HostKVPool:
         if num_items is None:
             num_items = int(capacity_gb * 2**30) // self.item_bytes
         self.pinned = pin and torch.cuda.is_available()
-        self.items = torch.empty(num_items, 2, block_size, head_dim, dtype=dtype,
-                                 pin_memory=self.pinned)
+        shape = (num_items, 2, block_size, head_dim)
+        self.items = pinned_empty(shape, dtype) if self.pinned else torch.empty(shape, dtype=dtype)
         self._free: list[tuple[int, int]] = [(0, num_items)] if num_items else []  # (start, length)
         self._extents: dict[int | str, HostExtent] = {}
 

@@ -1,0 +1,358 @@
+"""`oasiskv bench decode`: decode throughput of dense vs sparse at long context (issue 4).
+
+No long prefill is run: the KV of every request is synthetic (random keys and values written
+into the GPU page pool, the host pool and the block summaries), then the batch decodes
+`--steps` steps the way the engine does (graph replay, logits, greedy sampling, tokens back
+to the host every step). Dense attends every cached token from GPU pages; sparse attends its
+head-wise working set and runs the lookahead pipeline (predict, select, transfer) beside it.
+
+Random data makes the prediction churn: the predicted top-K of a step shares little with the
+last one, so the fetch cap is saturated every step — the worst case for the transfer path.
+The hit rate is reported so the reader can see it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+
+import torch
+
+from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S, weight_bytes_per_step
+from oasiskv.entrypoints.args import engine_config
+
+FETCH_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 1.0)
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context-len", type=int, default=32768)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--mode", choices=["dense", "sparse", "both"], default="both")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--transfer-programs", type=int, default=32,
+                   help="programs (≈ SMs) of the host->GPU gather kernel")
+    p.add_argument("--sweep", action="store_true", help="dense and sparse over --batch-sizes x --context-lens")
+    p.add_argument("--batch-sizes", default="1,4,16,32")
+    p.add_argument("--context-lens", default="16384,32768")
+    p.add_argument("--gpu-kv-gb", type=float, default=None,
+                   help="capacity mode: GPU memory (GiB) for KV state — dense pages, or sparse working "
+                        "sets + summaries; reports the largest batch each mode admits and its throughput")
+    p.add_argument("--fetch-ablation", action="store_true", help="sparse across fetch ratios " +
+                   ", ".join(map(str, FETCH_RATIOS)))
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of throughput vs batch (with --sweep)")
+
+
+class DecodeBench:
+    """One model, one GPU page pool and one host pool, reused by every run of a session."""
+
+    def __init__(self, args):
+        from oasiskv.engine.model_runner import ModelRunner
+
+        self.args = args
+        batches = _ints(args.batch_sizes) if args.sweep else [args.batch_size]
+        contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
+        self.tail = args.warmup + args.steps + 2 * 16 + 1  # room for decoded tokens and capture warm-ups
+        cfg = engine_config(args)
+        cfg = dataclasses.replace(cfg, sparse=False, max_model_len=max(contexts) + self.tail,
+                                  max_num_seqs=max(max(batches), args.batch_size))
+        t0 = time.perf_counter()
+        self.runner = r = ModelRunner(cfg)
+        self.load_s = time.perf_counter() - t0
+        self.mc, self.bs = r.model_config, r.block_size
+        r.kv.normal_()  # synthetic KV everywhere in the GPU pool
+        self.host = None
+        self.sparse_cfg = dataclasses.replace(cfg.sparse_config(), enabled=True)  # validates the flags
+
+    # ---- sizes ----------------------------------------------------------------------
+    def blocks(self, context: int) -> int:
+        return math.ceil((context + self.tail) / self.bs)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.runner.kv_bytes_per_page
+
+    def summary_bytes(self, context: int) -> int:
+        mc = self.mc
+        return 2 * self.blocks(context) * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.runner.dtype.itemsize
+
+    def host_bytes(self, context: int) -> int:
+        return self.blocks(context) * self.page_bytes
+
+    # ---- dense ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_dense(self, batch: int, context: int) -> dict:
+        from oasiskv.engine.sequence import Sequence
+        from oasiskv.sampling_params import SamplingParams
+
+        r, nb = self.runner, self.blocks(context)
+        if batch * nb > r.num_pages:
+            return self._no_fit("dense", batch, context, f"needs {batch * nb} GPU pages, the pool has {r.num_pages}")
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.mc.vocab_size
+        seqs = []
+        for i in range(batch):
+            s = Sequence(f"d{i}", torch.randint(0, vocab, (context,), generator=gen).tolist(),
+                         SamplingParams(temperature=0, max_tokens=self.tail, ignore_eos=True))
+            s.pages = list(range(i * nb, (i + 1) * nb))
+            s.num_cached_tokens = context - 1
+            seqs.append(s)
+
+        def step():
+            tokens = r.model.compute_logits(r.run_decode(seqs)).argmax(-1).tolist()
+            for s, t in zip(seqs, tokens):
+                s.output_token_ids.append(t)
+
+        seconds = self._time(step)
+        kv = batch * context * self.mc.kv_bytes_per_token(r.dtype.itemsize)
+        return self._result("dense", batch, context, seconds, kv_read=kv, summaries=0, fetched=0)
+
+    # ---- sparse ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None) -> dict:
+        from oasiskv.sparse.decode_step import SparseDecodeStep
+        from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
+
+        r, mc, bs = self.runner, self.mc, self.bs
+        cfg = dataclasses.replace(self.sparse_cfg, fetch_ratio=fetch_ratio or self.sparse_cfg.fetch_ratio)
+        P, K, S, W = cfg.working_set_blocks, cfg.top_k_blocks, cfg.sink_blocks, cfg.window_blocks
+        nb = self.blocks(context)
+        if batch * P > r.num_pages:
+            return self._no_fit("sparse", batch, context, f"needs {batch * P} GPU pages, the pool has {r.num_pages}")
+        host = self._host_pool()
+        extents = [host.allocate(f"s{i}", mc.num_layers, nb, mc.num_kv_heads) for i in range(batch)]
+        try:
+            if any(e is None for e in extents):
+                return self._no_fit("sparse", batch, context,
+                                    f"host pool holds {host.num_items * host.item_bytes / 2**30:.0f} GiB")
+            p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb,
+                                  summary_blocks=batch * nb, block_size=bs,
+                                  transfer_programs=self.args.transfer_programs)
+            for i, e in enumerate(extents):
+                p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
+            # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
+            # and the window, random summaries (min <= max) for every block.
+            choices = (context - 1) // bs - W + 1 - S
+            pick = torch.rand(mc.num_layers, batch * mc.num_kv_heads, choices, device=r.device).argsort(-1)
+            p.resident.copy_((pick[..., :K] + S).int())
+            p.last.zero_()
+            p.kmin.normal_()
+            p.kmax.copy_(p.kmin + torch.randn_like(p.kmin).abs())
+            p.cached.fill_(context - 1)
+            p.active.fill_(True)
+            use_graph = r.device.type == "cuda" and not self.args.enforce_eager
+            p.timing = PipelineTiming(mc.num_layers) if use_graph else None
+            step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
+            ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
+
+            def step():
+                nonlocal ids
+                logits = r.model.compute_logits(step_fn.run(ids))
+                tokens = logits[0::2].argmax(-1)
+                drafts = logits[1::2].argmax(-1)  # `self`: the draft row's own next-token guess
+                tokens.tolist()  # the engine needs the tokens on the host every step
+                ids = torch.stack([tokens, drafts], 1).view(-1)
+
+            counters = lambda: (p.stats.sum(0).tolist(), int(p.fetched_items.sum()))  # noqa: E731
+            seconds, (before, after) = self._time(step, counters)
+            (h0, m0, a0, e0), f0 = before
+            (h1, m1, a1, e1), f1 = after
+            fetched = (f1 - f0) * p.item_bytes / self.args.steps
+            ws_tokens = (S + K + W - 1) * bs + bs // 2  # sinks, dynamic, full window blocks, half a block
+            kv = batch * ws_tokens * mc.kv_bytes_per_token(r.dtype.itemsize)
+            summaries = batch * self.summary_bytes(context) * ((context // bs) / nb)  # scored range
+            res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
+                               fetched=fetched)
+            res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K,
+                       hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
+                       admitted_per_step=(a1 - a0) / self.args.steps)
+            if p.timing is not None:
+                res.update(self._stall(step, p.timing, res["step_ms"]))
+            del step_fn, p
+            return res
+        finally:
+            for i, e in enumerate(extents):
+                if e is not None:
+                    host.free(f"s{i}")
+            torch.cuda.empty_cache() if r.device.type == "cuda" else None
+
+    def _host_pool(self):
+        from oasiskv.sparse.host_pool import HostKVPool
+
+        if self.host is None:
+            mc, r = self.mc, self.runner
+            t0 = time.perf_counter()
+            self.host = HostKVPool(self.args.host_kv_gb, self.bs, mc.head_dim, r.dtype, pin=r.device.type == "cuda")
+            flat = self.host.items.view(-1)
+            chunk = torch.randn(min(flat.numel(), 2**28), dtype=r.dtype, device=r.device)
+            for start in range(0, flat.numel(), chunk.numel()):  # synthetic host KV, through PCIe
+                n = min(chunk.numel(), flat.numel() - start)
+                flat[start:start + n].copy_(chunk[:n])
+            self.host_setup_s = time.perf_counter() - t0
+        return self.host
+
+    # ---- timing and the result row ----------------------------------------------------
+    def _time(self, step, counters=None):
+        sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else (lambda: None)
+        for _ in range(self.args.warmup):
+            step()
+        sync()
+        before = counters() if counters else None
+        t0 = time.perf_counter()
+        for _ in range(self.args.steps):
+            step()
+        sync()
+        seconds = (time.perf_counter() - t0) / self.args.steps
+        if counters:
+            return seconds, (before, counters())
+        return seconds
+
+    def _stall(self, step, timing, step_ms: float, samples: int = 16) -> dict:
+        """Separate pass (reading events costs host time): per step, how long the foreground
+        waited at the join, and how many layers' transfers ended after the foreground did."""
+        stalls, late, fg = [], [], []
+        for _ in range(samples):
+            step()
+            torch.cuda.synchronize()
+            t = timing.read()
+            stalls.append(t["stall_ms"])
+            late.append(t["late_layers"])
+            fg.append(t["foreground_ms"])
+        n = self.mc.num_layers
+        stall = sum(stalls) / samples
+        return {"stall_ms": stall, "stall_fraction": stall / step_ms,
+                "late_layer_share": sum(late) / (samples * n), "foreground_ms": sum(fg) / samples}
+
+    def _result(self, mode, batch, context, seconds, kv_read, summaries, fetched) -> dict:
+        weights = weight_bytes_per_step(self.mc, self.runner.dtype.itemsize)
+        hbm_s = (weights + kv_read + summaries + fetched) / HBM_BYTES_PER_S  # fetched items land in HBM
+        pcie_s = fetched / PCIE_BYTES_PER_S
+        return {
+            "mode": mode, "batch": batch, "context": context, "fits": True,
+            "step_ms": 1e3 * seconds, "tpot_ms": 1e3 * seconds, "output_tok_s": batch / seconds,
+            "weight_bytes": weights, "kv_read_bytes_per_step": kv_read, "summary_bytes_per_step": summaries,
+            "fetched_bytes_per_step": fetched, "transfer_gb_s": fetched / seconds / 1e9,
+            "roofline_ms": 1e3 * max(hbm_s, pcie_s), "roofline_fraction": max(hbm_s, pcie_s) / seconds,
+            "hbm_fraction": hbm_s / seconds, "pcie_fraction": pcie_s / seconds,
+        }
+
+    @staticmethod
+    def _no_fit(mode, batch, context, why) -> dict:
+        return {"mode": mode, "batch": batch, "context": context, "fits": False, "why": why}
+
+    # ---- capacity mode ----------------------------------------------------------------
+    def capacity(self, context: int, gpu_kv_gb: float) -> dict:
+        """Largest batch each mode admits with `gpu_kv_gb` of GPU memory for KV state (as on a
+        card whose weights take the rest), and the throughput at that batch."""
+        budget = gpu_kv_gb * 2**30
+        dense_max = int(budget // (self.blocks(context) * self.page_bytes))
+        per_sparse = self.sparse_cfg.working_set_blocks * self.page_bytes + self.summary_bytes(context)
+        sparse_gpu_max = int(budget // per_sparse)
+        host_max = int(self.args.host_kv_gb * 2**30 // self.host_bytes(context))
+        sparse_max = min(sparse_gpu_max, host_max)
+        out = {"context": context, "gpu_kv_gb": gpu_kv_gb, "dense_max_batch": dense_max,
+               "sparse_max_batch_gpu": sparse_gpu_max, "sparse_max_batch_host": host_max,
+               "host_kv_gb": self.args.host_kv_gb, "sparse_max_batch": sparse_max,
+               "bound": "host RAM" if host_max < sparse_gpu_max else "GPU memory"}
+        out["dense"] = self.run_dense(dense_max, context) if dense_max else self._no_fit("dense", 0, context, "0")
+        out["sparse"] = self.run_sparse(sparse_max, context) if sparse_max else self._no_fit("sparse", 0, context, "0")
+        if out["dense"].get("fits") and out["sparse"].get("fits"):
+            out["admitted_ratio"] = sparse_max / dense_max
+            out["throughput_ratio"] = out["sparse"]["output_tok_s"] / out["dense"]["output_tok_s"]
+        return out
+
+
+def run_decode_bench(args) -> int:
+    bench = DecodeBench(args)
+    result = {"model": bench.mc.name, "dtype": str(bench.runner.dtype).removeprefix("torch."),
+              "device": torch.cuda.get_device_name() if bench.runner.device.type == "cuda" else "cpu",
+              "top_k_blocks": bench.sparse_cfg.top_k_blocks, "sink_blocks": bench.sparse_cfg.sink_blocks,
+              "window_blocks": bench.sparse_cfg.window_blocks, "fetch_ratio": bench.sparse_cfg.fetch_ratio,
+              "transfer_programs": args.transfer_programs, "steps": args.steps, "runs": []}
+    modes = ["dense", "sparse"] if args.mode == "both" else [args.mode]
+    if args.gpu_kv_gb is not None:
+        result["capacity"] = cap = bench.capacity(args.context_len, args.gpu_kv_gb)
+        print_capacity(cap)
+    elif args.fetch_ablation:
+        result["runs"] = [bench.run_sparse(args.batch_size, args.context_len, ratio) for ratio in FETCH_RATIOS]
+    else:
+        batches = _ints(args.batch_sizes) if args.sweep else [args.batch_size]
+        contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
+        for context in contexts:
+            for batch in batches:
+                for mode in modes:
+                    run = bench.run_dense if mode == "dense" else bench.run_sparse
+                    result["runs"].append(run(batch, context))
+                    torch.cuda.empty_cache() if bench.runner.device.type == "cuda" else None
+    if result["runs"]:
+        print_runs(result["runs"])
+        result["speedups"] = speedups(result["runs"])
+        for s in result["speedups"]:
+            print(f"sparse / dense at batch {s['batch']}, context {s['context']}: {s['speedup']:.2f}x output tok/s")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot and result["runs"]:
+        plot_sweep(result["runs"], args.plot)
+    return 0
+
+
+def speedups(runs: list[dict]) -> list[dict]:
+    by = {(r["mode"], r["batch"], r["context"]): r for r in runs if r.get("fits")}
+    return [{"batch": b, "context": c, "speedup": by[("sparse", b, c)]["output_tok_s"] / d["output_tok_s"]}
+            for (m, b, c), d in by.items() if m == "dense" and ("sparse", b, c) in by]
+
+
+def print_runs(runs: list[dict]) -> None:
+    head = (f"{'mode':>6} {'batch':>5} {'context':>7} {'ratio':>5} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
+            f"{'fetch MB':>8} {'GB/s':>5} {'hit':>5} {'stall%':>6} {'late%':>5} {'roof%':>5}")
+    print(head)
+    for r in runs:
+        if not r.get("fits"):
+            print(f"{r['mode']:>6} {r['batch']:>5} {r['context']:>7}  does not fit: {r['why']}")
+            continue
+        sp = r["mode"] == "sparse"
+        print(f"{r['mode']:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
+              f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
+              f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
+              f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
+              f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f}")
+
+
+def print_capacity(c: dict) -> None:
+    print(f"capacity at {c['context']} tokens with {c['gpu_kv_gb']} GiB of GPU KV memory: dense admits "
+          f"{c['dense_max_batch']}, sparse {c['sparse_max_batch']} (GPU bound {c['sparse_max_batch_gpu']}, "
+          f"host bound {c['sparse_max_batch_host']} with {c['host_kv_gb']} GiB of host pool; bound: {c['bound']})")
+    print_runs([c["dense"], c["sparse"]])
+    if "throughput_ratio" in c:
+        print(f"sparse admits {c['admitted_ratio']:.1f}x the requests and delivers {c['throughput_ratio']:.2f}x "
+              "the output tok/s of dense")
+
+
+def plot_sweep(runs: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in ("dense", "sparse"):
+        for context in sorted({r["context"] for r in runs}):
+            pts = sorted((r["batch"], r["output_tok_s"]) for r in runs
+                         if r["mode"] == mode and r["context"] == context and r.get("fits"))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", linestyle="-" if mode == "sparse" else "--",
+                        label=f"{mode}, {context // 1024}K")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens / s")
+    ax.set_xscale("log", base=2)
+    ax.set_title("decode throughput, one H200")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
