@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
+#   usage: bash scripts/gpu_bench_decode.sh [quick|full]
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+bench() {  # the CLI's `bench decode` without importing the rest of the CLI
+  python3 -c "import sys, argparse
+from oasiskv.bench.decode import add_decode_args, run_decode_bench
+from oasiskv.entrypoints.args import add_engine_args
+p = argparse.ArgumentParser(); add_decode_args(p); add_engine_args(p)
+sys.exit(run_decode_bench(p.parse_args(sys.argv[1:])))" --model qwen3-8b --load-format dummy --host-kv-gb 90 "$@"
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+free -g | head -2
+case "${1:-quick}" in
+quick)
+  python3 scripts/gpu_check_pipeline.py --json "$OUT/check_pipeline.json" 2>&1 | tee "$OUT/check_pipeline.log"
+  bench --context-len 32768 --batch-size 16 --steps 32 --output-json "$OUT/decode_b16_32k.json" 2>&1 | tee "$OUT/decode_b16_32k.log"
+  ;;
+full)
+  bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --output-json "$OUT/decode_sweep.json" \
+    --plot "$OUT/decode_sweep.png" 2>&1 | tee "$OUT/decode_sweep.log"
+  bench --context-len 32768 --gpu-kv-gb 24 --output-json "$OUT/decode_capacity.json" 2>&1 | tee "$OUT/decode_capacity.log"
+  bench --context-len 32768 --batch-size 16 --mode sparse --fetch-ablation --steps 32 \
+    --output-json "$OUT/decode_fetch_ablation.json" 2>&1 | tee "$OUT/decode_fetch_ablation.log"
+  ;;
+esac
