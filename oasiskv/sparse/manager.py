@@ -53,6 +53,9 @@ class SparseManager:
         self.item_bytes = 2 * block_size * self.D * self.dtype.itemsize
         self.cap = cfg.fetch_cap
         self.step = 0
+        # Read-only callbacks (layer, q, hooks) after each layer's sparse step work; evaluations
+        # (oasiskv.eval.agreement) record predictions through them without touching the step.
+        self.observers: list = []
 
     # ---- admission (scheduler side) -------------------------------------------------
     def max_tokens(self, seq, max_model_len: int) -> int:

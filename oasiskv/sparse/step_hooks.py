@@ -47,3 +47,6 @@ class SparseStepHooks:
             # The lookahead query predicts step t+1's blocks; `prev` uses the current token's.
             row = r.batch_index * Q + (1 if self.drafter in USES_DRAFT_TOKEN else 0)
             m.prefetch(r.ws, layer, q[row], r.cached + 1, m.cap)
+        if self.prefetch:  # not the oracle's first pass: that one only finds the true token
+            for observe in m.observers:
+                observe(layer, q, self)
