@@ -1,4 +1,4 @@
-"""`oasiskv` command line: generate, bench."""
+"""`oasiskv` command line: generate, serve, bench, eval."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,15 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from oasiskv.entrypoints.openai.api_server import run_server
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    return run_server(args)
+
+
 def format_kv_stats(out, engine) -> str:
     """Where the KV lived and what moved, for a request that decoded sparse."""
     st, mc, r = out.stats, engine.runner.model_config, engine.runner
@@ -89,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(g)
     g.set_defaults(func=_generate)
 
+    from oasiskv.entrypoints.openai.cli_args import add_server_args
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (as --model)")
+    add_server_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=_serve)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     from oasiskv.bench.throughput import add_throughput_args, run_throughput
@@ -101,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     add_decode_args(d)
     add_engine_args(d)
     d.set_defaults(func=run_decode_bench)
+    from oasiskv.bench.serve import add_bench_serve_args, run_bench_serve
+    bs = bsub.add_parser("serve", help="online serving load against an OpenAI server (vLLM's bench serve)")
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=run_bench_serve)
 
     e = sub.add_parser("eval", help="accuracy evaluations on a real model")
     esub = e.add_subparsers(dest="eval", required=True)

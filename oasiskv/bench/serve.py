@@ -1,0 +1,292 @@
+"""`oasiskv bench serve`: online load against an OpenAI-compatible server, with vLLM's flags and
+the lines vLLM prints (so numbers compare directly), plus what moved for sparse requests.
+
+Prompts are random token ids sent as the completion `prompt` (a list of ints), so a model with
+dummy weights and no tokenizer works. Every request streams; one SSE chunk carries one token,
+so chunk arrival times give TTFT and the inter-token latencies (ITL), and the final usage chunk
+gives the token count. TPOT excludes the first token: (E2EL - TTFT) / (tokens - 1).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 "
+                   "(default: from --host and --port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--model", default=None, help="model name to send; default: the server's (/v1/models)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths drawn uniformly from [len * (1 - r), len * (1 + r)]")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-result", action="store_true", help="write the result as JSON")
+    p.add_argument("--result-dir", default=".")
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--server-args", default=None,
+                   help="start `oasiskv serve ARGS` on --host/--port first, and stop it afterwards")
+    p.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
+
+
+# ---- a server process (the bench may start one; the tests use this too) ---------------------
+def wait_for_health(base_url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url}/health did not answer within {timeout:.0f} s")
+
+
+def start_server(serve_args: list[str], host: str, port: int, timeout: float = 600.0, wait: bool = True,
+                 **popen_kwargs) -> subprocess.Popen:
+    """`python -m oasiskv.entrypoints.cli serve ...` in its own session; returns once it is healthy
+    (or at once with wait=False: then call wait_for_health yourself)."""
+    cmd = [sys.executable, "-m", "oasiskv.entrypoints.cli", "serve", *serve_args,
+           "--host", host, "--port", str(port)]
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+    if not wait:
+        return proc
+    try:
+        wait_for_health(f"http://{host}:{port}", timeout, proc)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """SIGTERM (graceful: in-flight requests finish), then SIGKILL if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+# ---- one request ----------------------------------------------------------------------------
+@dataclass
+class RequestResult:
+    prompt_len: int
+    success: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    error: str = ""
+
+
+async def send_request(session, url: str, model: str, prompt: list[int], max_tokens: int,
+                       ignore_eos: bool) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(prompt_len=len(prompt))
+    start = last = time.perf_counter()
+    tokens = 0
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return result
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    result.success = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    break
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if tokens == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    tokens, last = tokens + 1, now
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # a dropped connection counts as a failed request, not a crash
+        result.error = repr(e)
+    result.latency = time.perf_counter() - start
+    result.output_tokens = tokens
+    return result
+
+
+# ---- the load ---------------------------------------------------------------------------------
+def random_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(args.seed)
+    r = args.random_range_ratio
+
+    def lengths(n: int) -> np.ndarray:
+        return rng.integers(max(1, int(n * (1 - r))), int(n * (1 + r)) + 1, size=args.num_prompts)
+
+    ins, outs = lengths(args.random_input_len), lengths(args.random_output_len)
+    return [(rng.integers(0, vocab_size, size=int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
+async def run_load(args, base_url: str, model: str, requests: list[tuple[list[int], int]]):
+    import aiohttp
+
+    url = base_url + args.endpoint
+    rng = np.random.default_rng(args.seed + 1)
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        first = await send_request(session, url, model, requests[0][0], 2, True)
+        if not first.success:
+            raise RuntimeError(f"the test request failed: {first.error}")
+
+        async def one(prompt, max_tokens):
+            if limit is None:
+                return await send_request(session, url, model, prompt, max_tokens, args.ignore_eos)
+            async with limit:
+                return await send_request(session, url, model, prompt, max_tokens, args.ignore_eos)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, max_tokens in requests:
+            tasks.append(asyncio.create_task(one(prompt, max_tokens)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """Our counters from /metrics, summed over labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    return values
+
+
+def summarize(args, results: list[RequestResult], duration: float, before: dict, after: dict) -> dict:
+    ok = [r for r in results if r.success]
+    ms = lambda xs: [1000 * x for x in xs] or [0.0]  # noqa: E731
+    ttft = ms([r.ttft for r in ok])
+    tpot = ms([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1])
+    itl = ms([x for r in ok for x in r.itl])
+    e2el = ms([r.latency for r in ok])
+    n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
+    out = {"duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+           "num_prompts": len(results), "request_rate": args.request_rate,
+           "max_concurrency": args.max_concurrency, "total_input_tokens": n_in, "total_output_tokens": n_out,
+           "request_throughput": len(ok) / duration, "output_throughput": n_out / duration,
+           "total_token_throughput": (n_in + n_out) / duration}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        out[f"mean_{name}_ms"] = float(np.mean(xs))
+        out[f"median_{name}_ms"] = float(np.median(xs))
+        out[f"std_{name}_ms"] = float(np.std(xs))
+        out[f"p99_{name}_ms"] = float(np.percentile(xs, 99))
+    delta = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
+    predicted = delta("oasiskv:sparse_lookahead_predicted_blocks_total")
+    out["sparse_requests"] = int(delta("oasiskv:sparse_requests_total"))
+    out["sparse_host_to_gpu_bytes"] = delta("oasiskv:sparse_host_to_gpu_bytes_total")
+    out["sparse_lookahead_hit_rate"] = (delta("oasiskv:sparse_lookahead_hit_blocks_total") / predicted
+                                        if predicted else None)
+    out["sparse_pipeline_stall_s"] = delta("oasiskv:sparse_pipeline_stall_seconds_total")
+    out["input_lens"] = [r.prompt_len for r in results]
+    out["output_lens"] = [r.output_tokens for r in results]
+    out["ttfts"] = [r.ttft for r in results]
+    out["errors"] = [r.error for r in results]
+    return out
+
+
+def print_result(res: dict) -> None:
+    line = lambda label, value, fmt="": print(f"{label:<40} {value:{fmt}}")  # noqa: E731
+    print("{:=^50}".format(" Serving Benchmark Result "))
+    line("Successful requests:", res["completed"])
+    if res["failed"]:
+        line("Failed requests:", res["failed"])
+    if res["max_concurrency"]:
+        line("Maximum request concurrency:", res["max_concurrency"])
+    line("Benchmark duration (s):", res["duration"], ".2f")
+    line("Total input tokens:", res["total_input_tokens"])
+    line("Total generated tokens:", res["total_output_tokens"])
+    line("Request throughput (req/s):", res["request_throughput"], ".2f")
+    line("Output token throughput (tok/s):", res["output_throughput"], ".2f")
+    line("Total Token throughput (tok/s):", res["total_token_throughput"], ".2f")
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print("{:-^50}".format(title))
+        for stat in ("mean", "median", "p99"):
+            line(f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):", res[f"{stat}_{key}_ms"], ".2f")
+    if res["sparse_requests"]:
+        print("{:-^50}".format("Sparse decode (KV beyond GPU)"))
+        line("Sparse requests:", res["sparse_requests"])
+        line("Host->GPU bytes per sparse request (MiB):",
+             res["sparse_host_to_gpu_bytes"] / res["sparse_requests"] / 2**20, ".2f")
+        line("Lookahead hit rate (%):", 100 * (res["sparse_lookahead_hit_rate"] or 0.0), ".1f")
+        line("Pipeline stall (s):", res["sparse_pipeline_stall_s"], ".3f")
+    print("=" * 50)
+
+
+def run_bench_serve(args) -> int:
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    server = None
+    if args.server_args is not None:
+        print(f"starting `oasiskv serve {args.server_args}` on {base_url}", flush=True)
+        server = start_server(shlex.split(args.server_args), args.host, args.port, args.server_timeout)
+    try:
+        with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as r:
+            card = json.loads(r.read())["data"][0]
+        model = args.model or card["id"]
+        requests = random_requests(args, card.get("vocab_size", 1000))
+        before = scrape_metrics(base_url)
+        results, duration = asyncio.run(run_load(args, base_url, model, requests))
+        after = scrape_metrics(base_url)
+    finally:
+        if server is not None:
+            stop_server(server)
+    result = summarize(args, results, duration, before, after)
+    result.update(model=model, endpoint=args.endpoint, random_input_len=args.random_input_len,
+                  random_output_len=args.random_output_len, ignore_eos=args.ignore_eos)
+    print_result(result)
+    if result["failed"]:
+        print(f"first error: {next(e for e in result['errors'] if e)}", file=sys.stderr)
+    if args.save_result or args.result_filename:
+        name = args.result_filename or f"bench-serve-{model.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = os.path.join(args.result_dir, name)
+        os.makedirs(args.result_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")
+    return 0 if not result["failed"] else 1

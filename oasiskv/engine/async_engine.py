@@ -1,0 +1,204 @@
+"""The engine behind the server: `LLMEngine.step()` runs in its own thread, requests come and go
+through queues, and each request's tokens stream back to the asyncio loop that asked for them.
+
+Only the engine thread touches the engine (and its tokenizer). The event loop sends commands
+(add, abort, stop) through a thread-safe queue; the engine thread answers through
+`loop.call_soon_threadsafe`, so nothing is shared but the two queues. Torch releases the GIL
+inside its kernels, so HTTP handling goes on while a step runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from oasiskv.engine.llm_engine import LLMEngine, RequestOutput
+from oasiskv.sampling_params import SamplingParams
+
+log = logging.getLogger("oasiskv.engine")
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is gone (shutdown or a crash); the request cannot finish."""
+
+
+class RequestStream:
+    """One request's outputs on the asyncio side: `accepted` resolves (or raises the engine's
+    ValueError) once the engine took the request; then iterate to get each new output."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.accepted: asyncio.Future = loop.create_future()
+        self.finished = False
+        self._outputs: asyncio.Queue = asyncio.Queue()
+
+    # Called from the engine thread.
+    def accept(self, error: Exception | None = None) -> None:
+        self.loop.call_soon_threadsafe(self._settle, error)
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.loop.call_soon_threadsafe(self._outputs.put_nowait, item)
+
+    def _settle(self, error: Exception | None) -> None:
+        if self.accepted.done():
+            return
+        if error is None:
+            self.accepted.set_result(None)
+        else:
+            self.accepted.set_exception(error)
+
+    # Called on the event loop.
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+@dataclass
+class _Add:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """`await engine.add_request(...)` -> RequestStream; `engine.abort(id)` frees it at once."""
+
+    def __init__(self, engine: LLMEngine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics  # ServerMetrics, told about every step and finished request
+        self.error: BaseException | None = None  # why the engine thread died, if it did
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread = threading.Thread(target=self._run, name="oasiskv-engine", daemon=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop after the current step; requests still inside get EngineStopped."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams,
+                          request_id: str) -> RequestStream:
+        if not self.is_running:
+            raise EngineStopped("the engine is not running")
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._commands.put(_Add(prompt, params, stream))
+        # The engine's ValueError (bad prompt, too long, ...) surfaces here. The engine thread
+        # may die while the command waits: look now and then rather than hang.
+        while not stream.accepted.done():
+            await asyncio.wait([stream.accepted], timeout=1.0)
+            if not stream.accepted.done() and not self.is_running:
+                raise EngineStopped("the engine stopped before taking the request")
+        stream.accepted.result()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Safe from any thread; a no-op for a request that already finished."""
+        self._commands.put(_Abort(request_id))
+
+    # ---- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                # Idle: sleep until a command comes. Busy: take what has come, then step.
+                block = not self.engine.has_unfinished()
+                if not self._handle_commands(block):
+                    break
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                if self.metrics is not None:
+                    self.metrics.observe_engine(self.engine)
+        except BaseException as e:  # a bug in a step: fail every request rather than hang them
+            log.exception("engine thread died")
+            self.error = e
+        finally:
+            self._fail_all(EngineStopped(f"the engine stopped ({self.error!r})" if self.error
+                                         else "the server is shutting down"))
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once told to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id)
+
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.stream.request_id
+        try:
+            self.engine.add_request(cmd.prompt, cmd.params, rid)
+        except ValueError as e:
+            cmd.stream.accept(e)
+            return
+        self._streams[rid] = cmd.stream
+        cmd.stream.accept()
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return  # finished already (or never accepted)
+        self.engine.abort(request_id)  # frees its GPU pages and host extent now
+        if self.metrics is not None:
+            self.metrics.observe_abort()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if self.metrics is not None:
+                self.metrics.observe_output(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the engine may be broken; the streams must still end
+                pass
+            stream.put(error)
+        self._streams.clear()
+        # Requests handed in after the stop never reach the engine: refuse them too.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.stream.accept(error)

@@ -1,0 +1,55 @@
+"""Small HTTP helpers the server tests share: a free port, JSON calls, SSE reading, /metrics."""
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(base: str, path: str, body: dict | bytes | None = None, timeout: float = 60) -> tuple[int, dict | str]:
+    """(status, parsed JSON or text) of a GET (no body) or POST."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read().decode()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+def stream_events(base: str, path: str, body: dict, timeout: float = 60) -> list[dict | str]:
+    """Every `data:` payload of a streamed response: parsed chunks, and the final "[DONE]"."""
+    req = urllib.request.Request(base + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def metrics(base: str) -> dict[str, float]:
+    """/metrics as {sample name (with labels): value}."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
