@@ -1,6 +1,7 @@
 """The pipeline's Triton kernels against their torch forms, under TRITON_INTERPRET=1 (one
 subprocess runs this file as a script): the in-place capped eviction over several steps of
-random histories, and the bounded-grid item copy (transfer / write-through). The GPU machine
+random histories, the bounded-grid item copy (transfer / write-through), and the one-launch
+summary update. The GPU machine
 checks them again in bf16 (scripts/gpu_check_pipeline.py)."""
 import json
 import os
@@ -68,6 +69,18 @@ def run_interpreter_cases() -> dict[str, float]:
                 want[d] = src[s]
         _copy_items_triton(src, dst, src_idx, dst_idx, num_programs=2)  # each program loops over items
         errors["copy_" + name] = (dst.float() - want.float()).abs().max().item()
+    from oasiskv.sparse.summaries import _fold_keys_kernel, update_block_minmax
+    for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
+        kmin = torch.randn(10, 2, 8, generator=gen).to(dtype)
+        kmax = kmin + torch.rand(10, 2, 8, generator=gen).to(dtype)
+        keys = torch.randn(4, 2, 8, generator=gen).to(dtype)
+        blocks = torch.tensor([7, -1, 2, 5])
+        first = torch.tensor([False, True, True, False])
+        want = kmin.clone(), kmax.clone()
+        update_block_minmax(*want, blocks, keys, first)
+        _fold_keys_kernel[(4,)](kmin, kmax, blocks, keys, first, keys.stride(0), HD=16, HDP=16)
+        errors["fold_" + name] = max((kmin.float() - want[0].float()).abs().max().item(),
+                                     (kmax.float() - want[1].float()).abs().max().item())
     return errors
 
 
@@ -84,6 +97,11 @@ def test_capped_eviction_triton_interpreter(interpreter_errors, name):
 @pytest.mark.parametrize("name", ["fp16", "fp32"])
 def test_copy_items_triton_interpreter(interpreter_errors, name):
     assert interpreter_errors["copy_" + name] == 0.0
+
+
+@pytest.mark.parametrize("name", ["fp16", "fp32"])
+def test_fold_keys_triton_interpreter(interpreter_errors, name):
+    assert interpreter_errors["fold_" + name] == 0.0
 
 
 if __name__ == "__main__":

@@ -32,8 +32,11 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["dense", "sparse", "both"], default="both")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--transfer-programs", type=int, default=32,
-                   help="programs (≈ SMs) of the host->GPU gather kernel")
+    p.add_argument("--transfer-programs", default="32",
+                   help="programs (≈ SMs) of the host->GPU gather kernel; a comma list runs sparse once per value")
+    p.add_argument("--no-prefetch-run", action="store_true",
+                   help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
+                        "decode — nothing is fetched — but its time is the floor the pipeline adds to)")
     p.add_argument("--sweep", action="store_true", help="dense and sparse over --batch-sizes x --context-lens")
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--context-lens", default="16384,32768")
@@ -112,7 +115,8 @@ class DecodeBench:
 
     # ---- sparse ---------------------------------------------------------------------
     @torch.inference_mode()
-    def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None) -> dict:
+    def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
+                   transfer_programs: int | None = None, prefetch: bool = True) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -130,7 +134,8 @@ class DecodeBench:
                                     f"host pool holds {host.num_items * host.item_bytes / 2**30:.0f} GiB")
             p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb,
                                   summary_blocks=batch * nb, block_size=bs,
-                                  transfer_programs=self.args.transfer_programs)
+                                  transfer_programs=transfer_programs or _ints(self.args.transfer_programs)[0])
+            p.prefetch = prefetch
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -166,10 +171,11 @@ class DecodeBench:
             summaries = batch * self.summary_bytes(context) * ((context // bs) / nb)  # scored range
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
-            res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K,
+            res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
+                       transfer_programs=p.transfer_programs,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
-            if p.timing is not None:
+            if p.timing is not None and prefetch:
                 res.update(self._stall(step, p.timing, res["step_ms"]))
             del step_fn, p
             return res
@@ -271,7 +277,7 @@ def run_decode_bench(args) -> int:
               "device": torch.cuda.get_device_name() if bench.runner.device.type == "cuda" else "cpu",
               "top_k_blocks": bench.sparse_cfg.top_k_blocks, "sink_blocks": bench.sparse_cfg.sink_blocks,
               "window_blocks": bench.sparse_cfg.window_blocks, "fetch_ratio": bench.sparse_cfg.fetch_ratio,
-              "transfer_programs": args.transfer_programs, "steps": args.steps, "runs": []}
+              "transfer_programs": _ints(args.transfer_programs), "steps": args.steps, "runs": []}
     modes = ["dense", "sparse"] if args.mode == "both" else [args.mode]
     if args.gpu_kv_gb is not None:
         result["capacity"] = cap = bench.capacity(args.context_len, args.gpu_kv_gb)
@@ -283,10 +289,13 @@ def run_decode_bench(args) -> int:
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         for context in contexts:
             for batch in batches:
-                for mode in modes:
-                    run = bench.run_dense if mode == "dense" else bench.run_sparse
-                    result["runs"].append(run(batch, context))
-                    torch.cuda.empty_cache() if bench.runner.device.type == "cuda" else None
+                if "dense" in modes:
+                    result["runs"].append(bench.run_dense(batch, context))
+                if "sparse" in modes:
+                    for programs in _ints(args.transfer_programs):
+                        result["runs"].append(bench.run_sparse(batch, context, transfer_programs=programs))
+                    if args.no_prefetch_run:
+                        result["runs"].append(bench.run_sparse(batch, context, prefetch=False))
     if result["runs"]:
         print_runs(result["runs"])
         result["speedups"] = speedups(result["runs"])
@@ -301,13 +310,17 @@ def run_decode_bench(args) -> int:
 
 
 def speedups(runs: list[dict]) -> list[dict]:
-    by = {(r["mode"], r["batch"], r["context"]): r for r in runs if r.get("fits")}
+    by = {}
+    for r in runs:  # the best sparse run of each shape (over transfer grids), prefetch on
+        key = (r["mode"], r["batch"], r["context"])
+        if r.get("fits") and r.get("prefetch", True) and (key not in by or r["output_tok_s"] > by[key]["output_tok_s"]):
+            by[key] = r
     return [{"batch": b, "context": c, "speedup": by[("sparse", b, c)]["output_tok_s"] / d["output_tok_s"]}
             for (m, b, c), d in by.items() if m == "dense" and ("sparse", b, c) in by]
 
 
 def print_runs(runs: list[dict]) -> None:
-    head = (f"{'mode':>6} {'batch':>5} {'context':>7} {'ratio':>5} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
+    head = (f"{'mode':>6} {'batch':>5} {'context':>7} {'ratio':>5} {'G':>3} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
             f"{'fetch MB':>8} {'GB/s':>5} {'hit':>5} {'stall%':>6} {'late%':>5} {'roof%':>5}")
     print(head)
     for r in runs:
@@ -315,7 +328,9 @@ def print_runs(runs: list[dict]) -> None:
             print(f"{r['mode']:>6} {r['batch']:>5} {r['context']:>7}  does not fit: {r['why']}")
             continue
         sp = r["mode"] == "sparse"
-        print(f"{r['mode']:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
+        mode = r["mode"] if r.get("prefetch", True) else "fg"
+        print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
+              f"{r.get('transfer_programs', '') if sp else '':>3} "
               f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
               f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
               f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
@@ -340,8 +355,11 @@ def plot_sweep(runs: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in ("dense", "sparse"):
         for context in sorted({r["context"] for r in runs}):
-            pts = sorted((r["batch"], r["output_tok_s"]) for r in runs
-                         if r["mode"] == mode and r["context"] == context and r.get("fits"))
+            best = {}
+            for r in runs:
+                if r["mode"] == mode and r["context"] == context and r.get("fits") and r.get("prefetch", True):
+                    best[r["batch"]] = max(best.get(r["batch"], 0), r["output_tok_s"])
+            pts = sorted(best.items())
             if pts:
                 ax.plot(*zip(*pts), marker="o", linestyle="-" if mode == "sparse" else "--",
                         label=f"{mode}, {context // 1024}K")

@@ -56,29 +56,30 @@ def copy_items(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_
     dst[d.to(dst.device)] = src[s.to(src.device)].to(dst.device)
 
 
-def _copy_items_triton(src, dst, src_idx, dst_idx, num_programs):
+def _copy_items_triton(src, dst, src_idx, dst_idx, num_programs, items_per_load: int = 4):
     assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
     item = src[0].numel() if src.shape[0] else dst[0].numel()
     n = src_idx.numel()
     if n:
-        grid = (max(1, min(num_programs, n)),)
+        grid = (max(1, min(num_programs, triton.cdiv(n, items_per_load))),)
         _copy_items_kernel[grid](src, dst, src_idx, dst_idx, n, ITEM=item,
-                                 BLOCK=min(triton.next_power_of_2(item), 4096), num_warps=8)
+                                 ITEMP=triton.next_power_of_2(item), ITEMS=items_per_load, num_warps=8)
 
 
 if triton is not None:
 
     @triton.jit
     def _copy_items_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n,
-                           ITEM: tl.constexpr, BLOCK: tl.constexpr):
+                           ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
+        # Each iteration moves ITEMS whole items with one load: the reads cross PCIe with
+        # microseconds of latency, so a program must keep many bytes in flight to be worth its SM.
         pid = tl.program_id(0)
         progs = tl.num_programs(0)
-        offs = tl.arange(0, BLOCK)
-        for i in range(pid, n, progs):
-            s = tl.load(src_idx_ptr + i).to(tl.int64)
-            d = tl.load(dst_idx_ptr + i).to(tl.int64)
-            if (s >= 0) & (d >= 0):
-                for o in range(0, ITEM, BLOCK):
-                    m = o + offs < ITEM
-                    x = tl.load(src_ptr + s * ITEM + o + offs, mask=m)
-                    tl.store(dst_ptr + d * ITEM + o + offs, x, mask=m)
+        offs = tl.arange(0, ITEMP)
+        for i0 in range(pid * ITEMS, n, progs * ITEMS):
+            j = i0 + tl.arange(0, ITEMS)
+            s = tl.load(src_idx_ptr + j, mask=j < n, other=-1).to(tl.int64)
+            d = tl.load(dst_idx_ptr + j, mask=j < n, other=-1).to(tl.int64)
+            m = ((s >= 0) & (d >= 0))[:, None] & (offs < ITEM)[None, :]
+            x = tl.load(src_ptr + s[:, None] * ITEM + offs[None, :], mask=m)
+            tl.store(dst_ptr + d[:, None] * ITEM + offs[None, :], x, mask=m)

@@ -42,21 +42,18 @@ class SparseDecodeStep:
 
     def _capture(self) -> None:
         p = self.pipeline
-        saved = [t.clone() for t in self._mutable()]
-        self._forward()  # warm-up: compiles kernels outside the capture
+        # Warm-up (compiles the kernels outside the capture) with every row inactive, so it
+        # writes no KV, predicts nothing and moves nothing: the state stays as the caller set it.
+        active, step = p.active.clone(), p.step.clone()
+        p.active.fill_(False)
+        self._forward()
         torch.cuda.synchronize()
-        for t, s in zip(self._mutable(), saved):  # the warm-up step must leave no trace
-            t.copy_(s)
+        p.active.copy_(active)
+        p.step.copy_(step)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.hidden = self._forward()
-        for t, s in zip(self._mutable(), saved):  # nor the capture (it ran nothing, but be sure)
-            t.copy_(s)
         torch.cuda.synchronize()
-
-    def _mutable(self) -> list[torch.Tensor]:
-        p = self.pipeline
-        return [p.resident, p.last, p.kmin, p.kmax, p.cached, p.step, p.stats, p.fetched_items]
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor) -> torch.Tensor:

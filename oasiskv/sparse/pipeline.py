@@ -33,7 +33,7 @@ from oasiskv.sparse.block_scores import score_topk
 from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
-from oasiskv.sparse.summaries import update_block_minmax
+from oasiskv.sparse.summaries import fold_keys_
 
 _LAST = 2 ** 30  # sort key of an invalid working-set position: after every valid one
 
@@ -81,6 +81,7 @@ class LookaheadPipeline:
         if self.background:
             self.streams = [torch.cuda.Stream(dev) for _ in range(3)]  # predict, select, transfer
         self.timing = None  # PipelineTiming when step timing is on
+        self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
 
     # ---- rows ----------------------------------------------------------------------
     def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
@@ -135,6 +136,8 @@ class LookaheadPipeline:
         R = self.R
         key = k.view(R, 2, self.H, self.D)[:, 0]
         self.update_summaries(layer, key)
+        if not self.prefetch:
+            return
         self.draft_q[layer].copy_(q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0])
         if not self.background:
             self.predict(layer)
@@ -170,7 +173,7 @@ class LookaheadPipeline:
         """Fold each active row's new key [R, Hkv, D] into its block's min/max."""
         n = self.cached.long()
         block = torch.where(self.active, self.summary_offset + n // self.bs, -1)
-        update_block_minmax(self.kmin[layer], self.kmax[layer], block, key, n % self.bs == 0)
+        fold_keys_(self.kmin[layer], self.kmax[layer], block, key, n % self.bs == 0)
 
     def _next_step_range(self):
         """Blocks of the step after this one (which adds token cached + 1): how many exist,

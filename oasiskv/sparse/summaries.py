@@ -47,3 +47,45 @@ def update_block_minmax(kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch
     at = idx[:, None, None].expand_as(k)
     kmin.scatter_reduce_(0, at, torch.where(v, k, inf), "amin", include_self=True)
     kmax.scatter_reduce_(0, at, torch.where(v, k, -inf), "amax", include_self=True)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch path
+    triton = None
+
+
+def fold_keys_(kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor,
+               first_in_block: torch.Tensor) -> None:
+    """`update_block_minmax` for one token per row, each row a different block (a decode step
+    of distinct requests): one launch on CUDA instead of a dozen, since it runs in every layer
+    of every step on the critical path. block_ids -1: skip the row."""
+    if kmin.is_cuda and triton is not None:
+        R, H, D = keys.shape
+        assert kmin.is_contiguous() and keys.stride(-1) == 1 and keys.stride(-2) == D
+        if R:
+            _fold_keys_kernel[(R,)](kmin, kmax, block_ids, keys, first_in_block, keys.stride(0),
+                                    HD=H * D, HDP=triton.next_power_of_2(H * D), num_warps=4)
+        return
+    update_block_minmax(kmin, kmax, block_ids, keys, first_in_block)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fold_keys_kernel(kmin_ptr, kmax_ptr, block_ptr, key_ptr, first_ptr, stride_key,
+                          HD: tl.constexpr, HDP: tl.constexpr):
+        r = tl.program_id(0)
+        b = tl.load(block_ptr + r).to(tl.int64)
+        if b >= 0:
+            i = tl.arange(0, HDP)
+            m = i < HD
+            k = tl.load(key_ptr + r * stride_key + i, mask=m)
+            lo = tl.load(kmin_ptr + b * HD + i, mask=m)
+            hi = tl.load(kmax_ptr + b * HD + i, mask=m)
+            first = tl.load(first_ptr + r) != 0
+            lo = tl.where(first, k, tl.minimum(lo, k.to(lo.dtype)))
+            hi = tl.where(first, k, tl.maximum(hi, k.to(hi.dtype)))
+            tl.store(kmin_ptr + b * HD + i, lo, mask=m)
+            tl.store(kmax_ptr + b * HD + i, hi, mask=m)
