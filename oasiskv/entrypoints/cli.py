@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     add_passkey_args(pk)
     add_engine_args(pk)
     pk.set_defaults(func=run_passkey)
+    from oasiskv.eval.agreement import add_agreement_args, run_agreement
+    ag = esub.add_parser("agreement", help="lookahead agreement per layer: each drafter's top-K vs the next token's")
+    add_agreement_args(ag)
+    add_engine_args(ag)
+    ag.set_defaults(func=run_agreement)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,128 @@
+"""What the lookahead predicts against what the next step really needs, recorded per layer
+inside the running sparse engine (the measurement behind `oasiskv eval agreement`).
+
+Installed as an observer of the `SparseManager`, it runs after each layer's sparse work of a
+decode step. For a sparse request, at the step adding the token at position n:
+  P[drafter] = the predict stage's top-K from the draft row's query for the step adding
+               position n+1 (the current token's query for `prev`): what the engine used;
+  P[prev]    = the same from the current token's query (the previous-token proxy), measured
+               in every run because that row is always there;
+and one step later the true token's own query, scored by the same predict stage over the same
+summaries and the same sink/window exclusions, gives T. Agreement = |P ∩ T| / |T|, which is
+|P ∩ T| / K once the context has K scorable blocks.
+
+Attention mass: the true token's softmax over its whole context (every block must be held,
+i.e. a full budget) gives each block's share; we record the share inside sink + window + S
+for S = T (the summaries' own top-K), the K blocks with the most true mass (the best any
+selection of K could do), and each prediction.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from oasiskv.sparse.drafters import USES_DRAFT_TOKEN
+
+
+class LookaheadRecorder:
+    def __init__(self, num_layers: int, ks: list[int], drafter: str):
+        self.ks = sorted(ks)
+        self.drafter = drafter
+        self.predictors = [drafter] if drafter == "prev" else [drafter, "prev"]
+        nk = len(self.ks)
+        self.agreement = {p: np.zeros((num_layers, nk)) for p in self.predictors}  # sums over steps
+        self.coverage = {p: np.zeros((num_layers, nk)) for p in ["quest", "best"] + self.predictors}
+        self.steps = np.zeros(num_layers, dtype=np.int64)
+        self._pending: dict[tuple[int, int], tuple] = {}  # (id(ws), layer) -> (ws, cached, preds)
+
+    def __call__(self, layer: int, q: torch.Tensor, hooks) -> None:
+        m, Q = hooks.manager, hooks.query_len
+        draft_row = 1 if hooks.drafter in USES_DRAFT_TOKEN else 0
+        for r in hooks.rows:
+            q_now = q[r.batch_index * Q]
+            key = (id(r.ws), layer)
+            entry = self._pending.pop(key, None)
+            # The ws reference held in `entry` keeps id(ws) from being reused by a new request.
+            if entry is not None and entry[0] is r.ws and entry[1] == r.cached:
+                truth = predicted_blocks(m, r.ws, layer, q_now, r.cached, self.ks[-1])
+                mass = block_attention_mass(m, r.ws, layer, q_now, r.cached)
+                self._score(layer, entry[2], truth, mass, m.cfg.sink_blocks,
+                            r.ws.window_start(r.cached, m.block_size))
+            preds = {self.drafter: predicted_blocks(m, r.ws, layer, q[r.batch_index * Q + draft_row],
+                                                    r.cached + 1, self.ks[-1])}
+            if "prev" not in preds:
+                preds["prev"] = predicted_blocks(m, r.ws, layer, q_now, r.cached + 1, self.ks[-1])
+            self._pending[key] = (r.ws, r.cached + 1, preds)
+
+    def _score(self, layer, preds, truth, mass, num_sink, window_start) -> None:
+        static = mass[:, :num_sink].sum(1) + mass[:, window_start:].sum(1)  # always resident
+        scored = mass[:, num_sink:window_start]
+        best = scored.sort(dim=1, descending=True).values.cumsum(1)  # [H, n]
+        for i, k in enumerate(self.ks):
+            t = truth[:, :k]
+            for name, p in preds.items():
+                self.agreement[name][layer, i] += overlap(p[:, :k], t)
+                self.coverage[name][layer, i] += covered(mass, static, p[:, :k])
+            self.coverage["quest"][layer, i] += covered(mass, static, t)
+            top = best[:, min(k, best.shape[1]) - 1] if best.shape[1] else torch.zeros(len(static))
+            self.coverage["best"][layer, i] += float((static + top).mean())
+        self.steps[layer] += 1
+
+    def merge(self, other: "LookaheadRecorder") -> None:
+        for mine, theirs in ((self.agreement, other.agreement), (self.coverage, other.coverage)):
+            for name, arr in theirs.items():
+                mine[name] = mine.get(name, 0) + arr
+        self.steps = self.steps + other.steps
+
+    def per_layer(self, table: str, name: str, k: int) -> list[float]:
+        """Mean over the recorded steps, one value per layer."""
+        col = self.ks.index(k)
+        sums = getattr(self, table)[name][:, col]
+        return [float(s / n) if n else float("nan") for s, n in zip(sums, self.steps)]
+
+
+def predicted_blocks(manager, ws, layer: int, query: torch.Tensor, cached: int, k: int) -> torch.Tensor:
+    """The predict stage's best-first blocks [Hkv, k] (-1: none) for the step adding token
+    `cached`. The engine runs with a full budget, so its K covers every block and the first
+    k of its ranking are the top-k."""
+    pred = manager.predict(ws, layer, query, cached).blocks
+    assert pred.shape[1] >= k, "the agreement run needs --top-k-blocks >= the largest K measured"
+    return pred[:, :k].cpu()
+
+
+def overlap(pred: torch.Tensor, truth: torch.Tensor) -> float:
+    """|P ∩ T| / |T| over all heads ([H, k] block ids, -1 padding)."""
+    hit = ((pred[:, :, None] == truth[:, None, :]) & (truth >= 0)[:, None, :]).any(1)  # [H, k]
+    n = int((truth >= 0).sum())
+    return float(hit.sum()) / n if n else 1.0
+
+
+def covered(mass: torch.Tensor, static: torch.Tensor, blocks: torch.Tensor) -> float:
+    """Attention mass inside sink + window + `blocks` ([H, k], -1 padding), mean over heads."""
+    picked = torch.where(blocks >= 0, mass.gather(1, blocks.clamp_min(0).long()), 0.0)
+    return float((static + picked.sum(1)).mean())
+
+
+def block_attention_mass(manager, ws, layer: int, query: torch.Tensor, cached: int) -> torch.Tensor:
+    """[Hkv, blocks] share of the attention of the token at position `cached` (its K/V already
+    stored) on each logical block, averaged over the kv group's query heads. Reads the keys
+    from the working set, which must hold every block once (a full budget)."""
+    m = manager
+    bs, H, G, D = m.block_size, m.Hkv, m.G, m.D
+    blocks = ws.blocks[layer].long()  # [H, P]
+    P = blocks.shape[1]
+    nb = cached // bs + 1
+    held = torch.zeros(H, nb + 1, dtype=torch.long).scatter_add_(
+        1, torch.where(blocks >= 0, blocks, nb), torch.ones_like(blocks))[:, :nb]
+    if not bool((held == 1).all()):
+        raise ValueError("attention mass needs every block held once: run with a full budget")
+    pages = torch.tensor(ws.pages)
+    slots = (pages[None, :] * H + torch.arange(H)[:, None]).reshape(-1).to(m.device)
+    keys = m.kv[layer][slots, 0].view(H, P, bs, D).float()
+    pos = blocks[:, :, None] * bs + torch.arange(bs)
+    valid = ((blocks[:, :, None] >= 0) & (pos <= cached)).to(m.device)  # [H, P, bs]
+    logits = torch.einsum("hgd,hpjd->hgpj", query.float().view(H, G, D), keys) * D ** -0.5
+    logits = logits.masked_fill(~valid[:, None], float("-inf"))
+    probs = torch.softmax(logits.reshape(H, G, -1), -1).view(H, G, P, bs).sum(-1).mean(1).cpu()
+    mass = torch.zeros(H, nb + 1)
+    return mass.scatter_add_(1, torch.where(blocks >= 0, blocks, nb), probs)[:, :nb]
