@@ -16,8 +16,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 free -g | head -2
 case "${1:-quick}" in
 quick)
-  python3 scripts/gpu_check_pipeline.py --json "$OUT/check_pipeline.json" 2>&1 | tee "$OUT/check_pipeline.log"
-  bench --context-len 32768 --batch-size 16 --steps 32 --transfer-programs 8,16,32 --no-prefetch-run --output-json "$OUT/decode_b16_32k.json" 2>&1 | tee "$OUT/decode_b16_32k.log"
+  [ "${CHECK:-1}" = 1 ] && python3 scripts/gpu_check_pipeline.py --json "$OUT/check_pipeline.json" 2>&1 | tee "$OUT/check_pipeline.log"
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --transfer-programs 8,16 --no-prefetch-run --output-json "$OUT/decode_b16.json" 2>&1 | tee "$OUT/decode_b16.log"
   ;;
 full)
   bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --output-json "$OUT/decode_sweep.json" \

@@ -279,31 +279,41 @@ def run_decode_bench(args) -> int:
               "window_blocks": bench.sparse_cfg.window_blocks, "fetch_ratio": bench.sparse_cfg.fetch_ratio,
               "transfer_programs": _ints(args.transfer_programs), "steps": args.steps, "runs": []}
     modes = ["dense", "sparse"] if args.mode == "both" else [args.mode]
+    def record(run: dict) -> None:  # print and save as each run ends: a crash keeps what ran
+        if not result["runs"]:
+            print_header()
+        result["runs"].append(run)
+        print_row(run)
+        save()
+
+    def save() -> None:
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(result, f, indent=2)
+
     if args.gpu_kv_gb is not None:
         result["capacity"] = cap = bench.capacity(args.context_len, args.gpu_kv_gb)
         print_capacity(cap)
     elif args.fetch_ablation:
-        result["runs"] = [bench.run_sparse(args.batch_size, args.context_len, ratio) for ratio in FETCH_RATIOS]
+        for ratio in FETCH_RATIOS:
+            record(bench.run_sparse(args.batch_size, args.context_len, ratio))
     else:
         batches = _ints(args.batch_sizes) if args.sweep else [args.batch_size]
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         for context in contexts:
             for batch in batches:
                 if "dense" in modes:
-                    result["runs"].append(bench.run_dense(batch, context))
+                    record(bench.run_dense(batch, context))
                 if "sparse" in modes:
                     for programs in _ints(args.transfer_programs):
-                        result["runs"].append(bench.run_sparse(batch, context, transfer_programs=programs))
+                        record(bench.run_sparse(batch, context, transfer_programs=programs))
                     if args.no_prefetch_run:
-                        result["runs"].append(bench.run_sparse(batch, context, prefetch=False))
+                        record(bench.run_sparse(batch, context, prefetch=False))
     if result["runs"]:
-        print_runs(result["runs"])
         result["speedups"] = speedups(result["runs"])
         for s in result["speedups"]:
             print(f"sparse / dense at batch {s['batch']}, context {s['context']}: {s['speedup']:.2f}x output tok/s")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    save()
     if args.plot and result["runs"]:
         plot_sweep(result["runs"], args.plot)
     return 0
@@ -319,29 +329,32 @@ def speedups(runs: list[dict]) -> list[dict]:
             for (m, b, c), d in by.items() if m == "dense" and ("sparse", b, c) in by]
 
 
-def print_runs(runs: list[dict]) -> None:
-    head = (f"{'mode':>6} {'batch':>5} {'context':>7} {'ratio':>5} {'G':>3} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
-            f"{'fetch MB':>8} {'GB/s':>5} {'hit':>5} {'stall%':>6} {'late%':>5} {'roof%':>5}")
-    print(head)
-    for r in runs:
-        if not r.get("fits"):
-            print(f"{r['mode']:>6} {r['batch']:>5} {r['context']:>7}  does not fit: {r['why']}")
-            continue
-        sp = r["mode"] == "sparse"
-        mode = r["mode"] if r.get("prefetch", True) else "fg"
-        print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
-              f"{r.get('transfer_programs', '') if sp else '':>3} "
-              f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
-              f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
-              f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
-              f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f}")
+def print_header() -> None:
+    print(f"{'mode':>6} {'batch':>5} {'context':>7} {'ratio':>5} {'G':>3} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
+          f"{'fetch MB':>8} {'GB/s':>5} {'hit':>5} {'stall%':>6} {'late%':>5} {'roof%':>5}", flush=True)
+
+
+def print_row(r: dict) -> None:
+    if not r.get("fits"):
+        print(f"{r['mode']:>6} {r['batch']:>5} {r['context']:>7}  does not fit: {r['why']}", flush=True)
+        return
+    sp = r["mode"] == "sparse"
+    mode = r["mode"] if r.get("prefetch", True) else "fg"
+    print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
+          f"{r.get('transfer_programs', '') if sp else '':>3} "
+          f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
+          f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
+          f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
+          f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f}", flush=True)
 
 
 def print_capacity(c: dict) -> None:
     print(f"capacity at {c['context']} tokens with {c['gpu_kv_gb']} GiB of GPU KV memory: dense admits "
           f"{c['dense_max_batch']}, sparse {c['sparse_max_batch']} (GPU bound {c['sparse_max_batch_gpu']}, "
           f"host bound {c['sparse_max_batch_host']} with {c['host_kv_gb']} GiB of host pool; bound: {c['bound']})")
-    print_runs([c["dense"], c["sparse"]])
+    print_header()
+    print_row(c["dense"])
+    print_row(c["sparse"])
     if "throughput_ratio" in c:
         print(f"sparse admits {c['admitted_ratio']:.1f}x the requests and delivers {c['throughput_ratio']:.2f}x "
               "the output tok/s of dense")

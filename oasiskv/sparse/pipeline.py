@@ -159,7 +159,7 @@ class LookaheadPipeline:
 
     def join(self) -> None:
         """End of the step: the foreground waits for every stage (the pipeline stall)."""
-        if self.background:
+        if self.background and self.prefetch:
             fg = torch.cuda.current_stream(self.device)
             if self.timing is not None:
                 self.timing.foreground_done.record()
