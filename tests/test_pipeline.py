@@ -60,5 +60,5 @@ def test_pipeline_matches_per_request_path():
     hits, missed, admitted, evicted = p.stats.sum(0).tolist()
     assert (hits, admitted, evicted) == (want_stats.hits, want_stats.admitted, want_stats.evicted)
     assert hits + missed == want_stats.predicted and admitted > 0 and evicted > 0
-    assert int(p.fetched_items.sum()) * p.item_bytes == want_stats.bytes_to_device
+    assert p.fetched_bytes == want_stats.bytes_to_device
     assert torch.equal(m.host.items, want_host)  # write-through wrote the same completed blocks

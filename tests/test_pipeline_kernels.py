@@ -81,7 +81,38 @@ def run_interpreter_cases() -> dict[str, float]:
         _fold_keys_kernel[(4,)](kmin, kmax, blocks, keys, first, keys.stride(0), HD=16, HDP=16)
         errors["fold_" + name] = max((kmin.float() - want[0].float()).abs().max().item(),
                                      (kmax.float() - want[1].float()).abs().max().item())
+    errors.update(run_sparse_copy_cases(gen))
     return errors
+
+
+def run_sparse_copy_cases(gen) -> dict[str, float]:
+    """The transfer and write-through kernels (addresses computed in the kernel) against their
+    torch forms, on a small arena: 3 requests, 2 layers, 2 heads, 6 blocks, 4 working-set pages."""
+    from oasiskv.kernels import copy_items as ci
+    L, R, H, NB, P, S, C = 2, 3, 2, 6, 4, 1, 2
+    host = torch.randn(R * L * NB * H + 5, 2, 4, 8, generator=gen)
+    kv = torch.randn(L, 40 * H, 2, 4, 8, generator=gen)
+    pages = torch.tensor([[3, 7, 1, 9], [0, 2, 4, 6], [11, 13, 5, 8]], dtype=torch.int32)
+    start = torch.tensor([5, 5 + L * NB * H, 5 + 2 * L * NB * H])
+    nblocks = torch.full((R,), NB)
+    blocks = torch.tensor([[2, -1], [4, 1], [-1, -1], [3, 0], [5, -1], [1, 2]], dtype=torch.int32)
+    slots = torch.tensor([[0, -1], [1, 2], [-1, -1], [2, 0], [1, -1], [0, 1]], dtype=torch.int32)
+    out = {}
+    want, got = kv[1].clone(), kv[1].clone()
+    ci.fetch_admitted(host, want, 1, blocks, slots, pages, start, nblocks, H, S)  # torch form (CPU)
+    ci._fetch_kernel[(2,)](host, got, blocks, slots, pages, start, nblocks, 1, R * H * C, C, H, P, S,
+                           ITEM=64, ITEMP=64, ITEMS=4)
+    out["fetch"] = (got - want).abs().max().item()
+    done = torch.tensor([True, False, True])
+    wslot = torch.tensor([2 * H, 5 * H, 8 * H])
+    block = torch.tensor([4, 1, 0])
+    want_h, got_h = host.clone(), host.clone()
+    ci.write_through(kv, want_h, done, wslot, start, nblocks, block, H)
+    ci._write_through_kernel[(3,)](kv, got_h, done, wslot, start, nblocks, block, L * R * H, R, H, 40 * H,
+                                   ITEM=64, ITEMP=64, ITEMS=4)
+    out["write_through"] = (got_h - want_h).abs().max().item()
+    out["write_through_moved"] = float((want_h != host).any(-1).any(-1).any(-1).sum())
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +128,12 @@ def test_capped_eviction_triton_interpreter(interpreter_errors, name):
 @pytest.mark.parametrize("name", ["fp16", "fp32"])
 def test_copy_items_triton_interpreter(interpreter_errors, name):
     assert interpreter_errors["copy_" + name] == 0.0
+
+
+def test_fetch_and_write_through_interpreter(interpreter_errors):
+    assert interpreter_errors["fetch"] == 0.0
+    assert interpreter_errors["write_through"] == 0.0
+    assert interpreter_errors["write_through_moved"] == 2 * 2 * 2  # two rows x layers x heads
 
 
 @pytest.mark.parametrize("name", ["fp16", "fp32"])

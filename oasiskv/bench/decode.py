@@ -161,11 +161,11 @@ class DecodeBench:
                 tokens.tolist()  # the engine needs the tokens on the host every step
                 ids = torch.stack([tokens, drafts], 1).view(-1)
 
-            counters = lambda: (p.stats.sum(0).tolist(), int(p.fetched_items.sum()))  # noqa: E731
+            counters = lambda: (p.stats.sum(0).tolist(), p.fetched_bytes)  # noqa: E731
             seconds, (before, after) = self._time(step, counters)
             (h0, m0, a0, e0), f0 = before
             (h1, m1, a1, e1), f1 = after
-            fetched = (f1 - f0) * p.item_bytes / self.args.steps
+            fetched = (f1 - f0) / self.args.steps
             ws_tokens = (S + K + W - 1) * bs + bs // 2  # sinks, dynamic, full window blocks, half a block
             kv = batch * ws_tokens * mc.kv_bytes_per_token(r.dtype.itemsize)
             summaries = batch * self.summary_bytes(context) * ((context // bs) / nb)  # scored range

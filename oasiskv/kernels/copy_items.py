@@ -83,3 +83,112 @@ if triton is not None:
             m = ((s >= 0) & (d >= 0))[:, None] & (offs < ITEM)[None, :]
             x = tl.load(src_ptr + s[:, None] * ITEM + offs[None, :], mask=m)
             tl.store(dst_ptr + d[:, None] * ITEM + offs[None, :], x, mask=m)
+
+
+# --------------------------------------------------------------------------- sparse decode forms
+
+def fetch_admitted(host: torch.Tensor, kv_layer: torch.Tensor, layer: int, admit_blocks: torch.Tensor,
+                   admit_slots: torch.Tensor, pages: torch.Tensor, extent_start: torch.Tensor,
+                   extent_blocks: torch.Tensor, num_heads: int, num_sink: int,
+                   num_programs: int = DEFAULT_PROGRAMS) -> None:
+    """The transfer stage: every admitted (request, head, block) item host -> its GPU slot.
+
+    admit_blocks / admit_slots: [R * num_heads, C] (row r * num_heads + h; -1 unused); the
+    item of block b of row r is host[extent_start[r] + (layer * extent_blocks[r] + b) * H + h]
+    (HostExtent's layout) and goes to slot pages[r, num_sink + slot] * H + h of `kv_layer`.
+    On CUDA the addresses are computed inside the copy kernel: one launch per layer."""
+    RH, C = admit_blocks.shape
+    if kv_layer.is_cuda and triton is not None:
+        if RH * C:
+            item = kv_layer[0].numel()
+            items = 4
+            _fetch_kernel[(max(1, min(num_programs, triton.cdiv(RH * C, items))),)](
+                host, kv_layer, admit_blocks, admit_slots, pages, extent_start, extent_blocks,
+                layer, RH * C, C, num_heads, pages.shape[1], num_sink,
+                ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=items, num_warps=8)
+        return
+    row = torch.arange(RH, device=admit_blocks.device)
+    r, h = row // num_heads, row % num_heads
+    blocks = admit_blocks.long()
+    src = torch.where(blocks >= 0, extent_start[r, None] + (layer * extent_blocks[r, None] + blocks)
+                      * num_heads + h[:, None], -1)
+    page = pages.long()[r[:, None], num_sink + admit_slots.long().clamp_min(0)]
+    dst = torch.where(blocks >= 0, page * num_heads + h[:, None], -1)
+    copy_items(host, kv_layer, src.view(-1), dst.view(-1))
+
+
+def write_through(kv: torch.Tensor, host: torch.Tensor, completed: torch.Tensor, window_slot: torch.Tensor,
+                  extent_start: torch.Tensor, extent_blocks: torch.Tensor, block: torch.Tensor,
+                  num_heads: int, num_programs: int = DEFAULT_PROGRAMS) -> None:
+    """Rows whose token completed a block copy that block, every layer and head, GPU -> host.
+
+    kv: [L, num_slots, *item]; completed: [R] bool; window_slot: [R] the page of the block's
+    window position times num_heads (head 0's slot); block: [R] its logical block."""
+    L, num_slots = kv.shape[0], kv.shape[1]
+    R = completed.shape[0]
+    if kv.is_cuda and triton is not None:
+        if L * R * num_heads:
+            item = kv[0, 0].numel()
+            items = 4
+            _write_through_kernel[(max(1, min(num_programs, triton.cdiv(L * R * num_heads, items))),)](
+                kv, host, completed, window_slot, extent_start, extent_blocks, block,
+                L * R * num_heads, R, num_heads, num_slots,
+                ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=items, num_warps=8)
+        return
+    layer = torch.arange(L, device=kv.device)[:, None, None]
+    h = torch.arange(num_heads, device=kv.device)[None, None, :]
+    ok = completed[None, :, None].expand(L, R, num_heads)
+    src = torch.where(ok, layer * num_slots + window_slot[None, :, None] + h, -1)
+    dst = torch.where(ok, extent_start[None, :, None] + (layer * extent_blocks[None, :, None]
+                      + block[None, :, None]) * num_heads + h, -1)
+    copy_items(kv.view(L * num_slots, *kv.shape[2:]), host, src.reshape(-1), dst.reshape(-1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fetch_kernel(host_ptr, kv_ptr, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
+                      layer, n, C, H, P, S,
+                      ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
+        pid = tl.program_id(0)
+        progs = tl.num_programs(0)
+        offs = tl.arange(0, ITEMP)
+        for i0 in range(pid * ITEMS, n, progs * ITEMS):
+            w = i0 + tl.arange(0, ITEMS)
+            blk = tl.load(blk_ptr + w, mask=w < n, other=-1).to(tl.int64)
+            ok = blk >= 0
+            slot = tl.load(slot_ptr + w, mask=ok, other=0)
+            row = w // C
+            r = row // H
+            h = (row % H).to(tl.int64)
+            page = tl.load(pages_ptr + r * P + S + slot, mask=ok, other=0).to(tl.int64)
+            start = tl.load(ext_start_ptr + r, mask=ok, other=0)
+            nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
+            src = start + (layer * nblk + blk) * H + h
+            dst = page * H + h
+            m = ok[:, None] & (offs < ITEM)[None, :]
+            x = tl.load(host_ptr + src[:, None] * ITEM + offs[None, :], mask=m)
+            tl.store(kv_ptr + dst[:, None] * ITEM + offs[None, :], x, mask=m)
+
+    @triton.jit
+    def _write_through_kernel(kv_ptr, host_ptr, done_ptr, wslot_ptr, ext_start_ptr, ext_blocks_ptr,
+                              block_ptr, n, R, H, num_slots,
+                              ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
+        pid = tl.program_id(0)
+        progs = tl.num_programs(0)
+        offs = tl.arange(0, ITEMP)
+        for i0 in range(pid * ITEMS, n, progs * ITEMS):
+            w = i0 + tl.arange(0, ITEMS)
+            layer = (w // (R * H)).to(tl.int64)
+            r = (w // H) % R
+            h = (w % H).to(tl.int64)
+            ok = (w < n) & (tl.load(done_ptr + r, mask=w < n, other=0) != 0)
+            wslot = tl.load(wslot_ptr + r, mask=ok, other=0).to(tl.int64)
+            start = tl.load(ext_start_ptr + r, mask=ok, other=0)
+            nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
+            blk = tl.load(block_ptr + r, mask=ok, other=0).to(tl.int64)
+            src = layer * num_slots + wslot + h
+            dst = start + (layer * nblk + blk) * H + h
+            m = ok[:, None] & (offs < ITEM)[None, :]
+            x = tl.load(kv_ptr + src[:, None] * ITEM + offs[None, :], mask=m)
+            tl.store(host_ptr + dst[:, None] * ITEM + offs[None, :], x, mask=m)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv.kernels.copy_items import DEFAULT_PROGRAMS, copy_items, device_view
+from oasiskv.kernels.copy_items import DEFAULT_PROGRAMS, device_view, fetch_admitted, write_through
 from oasiskv.sparse.block_scores import score_topk
 from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
@@ -69,7 +69,14 @@ class LookaheadPipeline:
         self.active = torch.zeros(R, dtype=torch.bool, device=dev)
         self.step = torch.zeros((), **i32)
         self.stats = torch.zeros(R * H, 4, dtype=torch.long, device=dev)  # hits, missed, admitted, evicted
-        self.fetched_items = torch.zeros(R, dtype=torch.long, device=dev)
+        # Per-step values every stage reads, computed once at the start of the step.
+        self.next_blocks = torch.zeros(R, dtype=torch.long, device=dev)  # blocks at the next step
+        self.next_window = torch.zeros(R, dtype=torch.long, device=dev)  # its first window block
+        self.completes = torch.zeros(R, dtype=torch.bool, device=dev)  # this token fills its block
+        self.window_slot = torch.zeros(R, dtype=torch.long, device=dev)  # head 0's slot of that block
+        self.block = torch.zeros(R, dtype=torch.long, device=dev)  # the block this token goes to
+        self.summary_block = torch.zeros(R, dtype=torch.long, device=dev)  # its summary row, -1 inactive
+        self.first_in_block = torch.zeros(R, dtype=torch.bool, device=dev)
         # Per-layer hand-off buffers between stages: they outlive the step, so no stream ever
         # reads memory the allocator has given to another.
         self.draft_q = torch.zeros(L, R, mc.num_heads, self.D, dtype=kv.dtype, device=dev)
@@ -96,7 +103,6 @@ class LookaheadPipeline:
         self.resident[:, rows] = -1
         self.last[:, rows] = -1
         self.stats[rows] = 0
-        self.fetched_items[row] = 0
 
     # ---- the foreground's tables, from the state alone ---------------------------------
     def step_tables(self):
@@ -125,6 +131,15 @@ class LookaheadPipeline:
         lens = torch.where(self.active[None, :, None], blocks * bs + partial[None, :, None], 0).int()
         page = self.pages.long().gather(1, (S + K + cur % W)[:, None])  # [R, 1]
         write_slots = torch.where(self.active[:, None], page * H + heads[None, :], -1).int()
+        # For the stages: the next step adds token n + 1; sinks and window are resident, so
+        # never predicted. And whether this token completes its block (write-through).
+        self.next_blocks.copy_(torch.where(self.active, (n + 1) // bs + 1, 0))
+        self.next_window.copy_(((n + 1) // bs - W + 1).clamp_min(S))
+        self.completes.copy_(self.active & ((n + 1) % bs == 0))
+        self.window_slot.copy_(page[:, 0] * H)
+        self.block.copy_(cur)
+        self.summary_block.copy_(torch.where(self.active, self.summary_offset + cur, -1))
+        self.first_in_block.copy_(partial == 0)
         return tables, lens, write_slots, partial.int()
 
     # ---- hooks called by the attention layer ----------------------------------------
@@ -158,71 +173,54 @@ class LookaheadPipeline:
                 self.timing.layer_done[layer].record()
 
     def join(self) -> None:
-        """End of the step: the foreground waits for every stage (the pipeline stall)."""
-        if self.background and self.prefetch:
-            fg = torch.cuda.current_stream(self.device)
-            if self.timing is not None:
-                self.timing.foreground_done.record()
-            for s in self.streams:
-                fg.wait_stream(s)
-            if self.timing is not None:
-                self.timing.joined.record()
+        """End of the step: a block this step completed goes to the host (write-through, so
+        the host pool holds every finished block), and the foreground waits for every stage
+        (the pipeline stall)."""
+        if not (self.background and self.prefetch):
+            self.write_through()
+            return
+        transfer = self.streams[2]
+        transfer.wait_stream(torch.cuda.current_stream(self.device))  # every layer stored its token
+        with torch.cuda.stream(transfer):
+            self.write_through()
+        fg = torch.cuda.current_stream(self.device)
+        if self.timing is not None:
+            self.timing.foreground_done.record()
+        for s in self.streams:
+            fg.wait_stream(s)
+        if self.timing is not None:
+            self.timing.joined.record()
 
     # ---- the stages ----------------------------------------------------------------
     def update_summaries(self, layer: int, key: torch.Tensor) -> None:
         """Fold each active row's new key [R, Hkv, D] into its block's min/max."""
-        n = self.cached.long()
-        block = torch.where(self.active, self.summary_offset + n // self.bs, -1)
-        fold_keys_(self.kmin[layer], self.kmax[layer], block, key, n % self.bs == 0)
-
-    def _next_step_range(self):
-        """Blocks of the step after this one (which adds token cached + 1): how many exist,
-        and where its window starts (sinks and window are resident, so never predicted)."""
-        n1 = self.cached.long() + 1
-        num_blocks = torch.where(self.active, n1 // self.bs + 1, 0)
-        window_start = (n1 // self.bs - self.W + 1).clamp_min(self.S)
-        return num_blocks, window_start
+        fold_keys_(self.kmin[layer], self.kmax[layer], self.summary_block, key, self.first_in_block)
 
     def predict(self, layer: int) -> None:
-        num_blocks, window_start = self._next_step_range()
         ids, _ = score_topk(self.draft_q[layer], self.kmin[layer], self.kmax[layer],
-                            self.summary_offset, num_blocks, self.G, self.K,
-                            max_blocks=self.max_blocks, num_sink=self.S,
-                            window_start=window_start)
+                            self.summary_offset, self.next_blocks, self.G, self.K,
+                            max_blocks=self.max_blocks, num_sink=self.S, window_start=self.next_window)
         self.predicted[layer].copy_(ids.view(self.R * self.H, self.K))
 
     def select(self, layer: int) -> None:
-        _, window_start = self._next_step_range()
         capped_eviction_(self.resident[layer], self.last[layer], self.predicted[layer], self.S,
-                         window_start, self.H, self.C, self.step, self.admit_blocks[layer],
+                         self.next_window, self.H, self.C, self.step, self.admit_blocks[layer],
                          self.admit_slots[layer], self.stats)
 
     def transfer(self, layer: int) -> None:
-        """Admitted items host -> GPU slots; then a block the step completed goes the other way
-        (write-through), so the host pool always holds every finished block."""
-        H, C = self.H, self.C
-        row = torch.arange(self.R * H, device=self.device)
-        r, h = row // H, row % H
-        blocks = self.admit_blocks[layer].long()  # [R*H, C]
-        src = torch.where(blocks >= 0, (self.extent_start[r, None] + (layer * self.extent_blocks[r, None]
-                                        + blocks) * H + h[:, None]), -1)
-        slot = self.admit_slots[layer].long().clamp_min(0)
-        page = self.pages.long()[r[:, None], self.S + slot]
-        dst = torch.where(blocks >= 0, page * H + h[:, None], -1)
-        copy_items(self.host_items, self.kv[layer], src.view(-1), dst.view(-1), self.transfer_programs)
-        self.fetched_items += (blocks >= 0).view(self.R, H * C).sum(1)
-        self._write_through(layer)
+        """Admitted items host -> their GPU slots (addresses computed in the copy kernel)."""
+        fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer],
+                       self.admit_slots[layer], self.pages, self.extent_start, self.extent_blocks,
+                       self.H, self.S, self.transfer_programs)
 
-    def _write_through(self, layer: int) -> None:
-        n = self.cached.long()
-        done = self.active & ((n + 1) % self.bs == 0)  # this step's token completed its block
-        block = n // self.bs
-        page = self.pages.long().gather(1, (self.S + self.K + block % self.W)[:, None])  # [R, 1]
-        heads = torch.arange(self.H, device=self.device)
-        src = torch.where(done[:, None], page * self.H + heads[None, :], -1)
-        dst = torch.where(done[:, None], self.extent_start[:, None]
-                          + (layer * self.extent_blocks[:, None] + block[:, None]) * self.H + heads[None, :], -1)
-        copy_items(self.kv[layer], self.host_items, src.view(-1), dst.view(-1), self.transfer_programs)
+    def write_through(self) -> None:
+        write_through(self.kv, self.host_items, self.completes, self.window_slot, self.extent_start,
+                      self.extent_blocks, self.block, self.H, self.transfer_programs)
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Host -> GPU bytes so far (admissions x item size); reads the counters (a sync)."""
+        return int(self.stats[:, 2].sum()) * self.item_bytes
 
     # ---- sizes ---------------------------------------------------------------------
     @property
