@@ -165,10 +165,6 @@ async def run_load(args, base_url: str, model: str, requests: list[tuple[list[in
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        first = await send_request(session, url, model, requests[0][0], 2, True)
-        if not first.success:
-            raise RuntimeError(f"the test request failed: {first.error}")
-
         async def one(prompt, max_tokens):
             if limit is None:
                 return await send_request(session, url, model, prompt, max_tokens, args.ignore_eos)
@@ -183,6 +179,16 @@ async def run_load(args, base_url: str, model: str, requests: list[tuple[list[in
                 await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+
+
+async def check_server(args, base_url: str, model: str, prompt: list[int]) -> None:
+    """One short request first, as vLLM does: fail fast on a wrong URL or model name."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        first = await send_request(session, base_url + args.endpoint, model, prompt, 2, True)
+    if not first.success:
+        raise RuntimeError(f"the test request failed: {first.error}")
 
 
 def scrape_metrics(base_url: str) -> dict[str, float]:
@@ -270,7 +276,8 @@ def run_bench_serve(args) -> int:
             card = json.loads(r.read())["data"][0]
         model = args.model or card["id"]
         requests = random_requests(args, card.get("vocab_size", 1000))
-        before = scrape_metrics(base_url)
+        asyncio.run(check_server(args, base_url, model, requests[0][0]))
+        before = scrape_metrics(base_url)  # after the test request, so it counts only the load
         results, duration = asyncio.run(run_load(args, base_url, model, requests))
         after = scrape_metrics(base_url)
     finally:

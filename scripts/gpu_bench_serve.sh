@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# `oasiskv bench serve` on one H200, in one call (about 8 minutes): a dense server, then a sparse one,
+# each started, loaded with random token-id prompts, scraped (/metrics) and stopped with SIGTERM.
+# JSON results, bench output and server logs go to $OUT.
+#
+#   run(carry=[".gpu_site"], command="bash scripts/gpu_bench_serve.sh")   # after scripts/gpu_deps.sh here
+#
+# Sizes can be changed without editing: MODEL, DENSE_PROMPTS, DENSE_IN, DENSE_OUT, SPARSE_PROMPTS,
+# SPARSE_IN, SPARSE_OUT, HOST_KV_GB, SERVE_EXTRA (more server flags), BENCH_S (seconds per bench).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=.:.gpu_site
+PORT=${PORT:-8000}
+MODEL=${MODEL:-qwen3-8b}
+BENCH_S=${BENCH_S:-200}
+CLI=(python3 -m oasiskv.entrypoints.cli)
+
+health() {  # wait up to 7 minutes for /health; give up as soon as the server process is gone
+  local pid=$1
+  for _ in $(seq 420); do
+    kill -0 "$pid" 2>/dev/null || return 1
+    python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+      "http://127.0.0.1:$PORT/health" 2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
+}
+
+scrape() {  # /metrics -> file
+  python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "http://127.0.0.1:$PORT/metrics" > "$1" 2>/dev/null
+}
+
+stop() {  # SIGTERM, then SIGKILL after 60 s
+  kill -TERM "$1" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$1" 2>/dev/null
+  wait "$1" 2>/dev/null
+}
+
+# run_case NAME SERVER-FLAGS... -- BENCH-FLAGS...
+run_case() {
+  local name=$1; shift
+  local serve=()
+  while [ "$1" != "--" ]; do serve+=("$1"); shift; done
+  shift
+  echo "=== $name: serve ${serve[*]}"
+  local t0=$SECONDS
+  "${CLI[@]}" serve --model "$MODEL" --load-format dummy --port "$PORT" ${SERVE_EXTRA:-} "${serve[@]}" \
+    > "$OUT/server_$name.log" 2>&1 &
+  local pid=$!
+  if ! health "$pid"; then
+    echo "server failed to start; log tail:"; tail -30 "$OUT/server_$name.log"; stop "$pid"; return 1
+  fi
+  echo "ready after $((SECONDS - t0)) s"
+  timeout "$BENCH_S" "${CLI[@]}" bench serve --port "$PORT" "$@" \
+    --result-dir "$OUT" --result-filename "bench_serve_$name.json" 2>&1 | tee "$OUT/bench_$name.log"
+  scrape "$OUT/metrics_$name.txt"
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader > "$OUT/gpu_mem_$name.txt" 2>&1
+  stop "$pid"
+  echo "server exit code: $? (after $((SECONDS - t0)) s)"
+  tail -5 "$OUT/server_$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+free -g | head -2
+run_case dense -- \
+  --num-prompts "${DENSE_PROMPTS:-200}" --random-input-len "${DENSE_IN:-1024}" \
+  --random-output-len "${DENSE_OUT:-256}" --request-rate inf --ignore-eos
+run_case sparse --sparse --sparse-threshold 4096 --host-kv-gb "${HOST_KV_GB:-24}" -- \
+  --num-prompts "${SPARSE_PROMPTS:-16}" --random-input-len "${SPARSE_IN:-8192}" \
+  --random-output-len "${SPARSE_OUT:-128}" --request-rate inf --ignore-eos
+ls -l "$OUT"
