@@ -14,6 +14,10 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's name: callables row [V] -> row [V] applied to this request's logits before
+    # sampling, once per generated token, in order (evaluations use one to force given tokens
+    # and keep the distributions: oasiskv.eval.teacher_forcing).
+    logits_processors: list = field(default_factory=list)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

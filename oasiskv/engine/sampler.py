@@ -9,6 +9,7 @@ from oasiskv.sampling_params import SamplingParams
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits: [B, V] float32 -> token ids [B] (long, on logits' device)."""
+    logits = apply_logits_processors(logits, params)
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy
@@ -25,6 +26,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([p.greedy for p in params], device=dev)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each request's processors see its row and may replace it (a copy: the caller's logits,
+    e.g. the draft rows of a sparse step, stay as they are)."""
+    if not any(p.logits_processors for p in params):
+        return logits
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        for process in p.logits_processors:
+            logits[i] = process(logits[i])
+    return logits
 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
