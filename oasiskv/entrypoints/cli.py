@@ -134,6 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     add_agreement_args(ag)
     add_engine_args(ag)
     ag.set_defaults(func=run_agreement)
+    from oasiskv.eval.fidelity import add_fidelity_args, run_fidelity
+    fi = esub.add_parser("fidelity", help="sparse vs dense on real text: teacher-forced KL, top-1, perplexity; "
+                         "free-running divergence")
+    add_fidelity_args(fi)
+    add_engine_args(fi)
+    fi.set_defaults(func=run_fidelity)
+    from oasiskv.eval.ablation import add_ablation_args, run_ablation
+    ab = esub.add_parser("ablation", help="passkey and fidelity against the fetch ratio and K")
+    add_ablation_args(ab)
+    add_engine_args(ab)
+    ab.set_defaults(func=run_ablation)
 
     args = parser.parse_args(argv)
     try:
