@@ -213,7 +213,8 @@ def summarize(args, results: list[RequestResult], duration: float, before: dict,
     e2el = ms([r.latency for r in ok])
     n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
     out = {"duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-           "num_prompts": len(results), "request_rate": args.request_rate,
+           "num_prompts": len(results),
+           "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,  # strict JSON
            "max_concurrency": args.max_concurrency, "total_input_tokens": n_in, "total_output_tokens": n_out,
            "request_throughput": len(ok) / duration, "output_throughput": n_out / duration,
            "total_token_throughput": (n_in + n_out) / duration}

@@ -63,9 +63,8 @@ class OpenAIServing:
     # ---- the two endpoints --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request):
         self._check_model(req.model)
-        if req.max_tokens is None:
-            req.max_tokens = self.max_model_len  # the engine stops at the model length
-        params = req.sampling_params(req.max_tokens)
+        # Without max_tokens the engine stops at the model length.
+        params = req.sampling_params(req.max_tokens if req.max_tokens is not None else self.max_model_len)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(req.prompt, params, rid)
         created = int(time.time())
