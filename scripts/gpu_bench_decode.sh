@@ -10,7 +10,7 @@ bench() {  # the CLI's `bench decode` without importing the rest of the CLI
 from oasiskv.bench.decode import add_decode_args, run_decode_bench
 from oasiskv.entrypoints.args import add_engine_args
 p = argparse.ArgumentParser(); add_decode_args(p); add_engine_args(p)
-sys.exit(run_decode_bench(p.parse_args(sys.argv[1:])))" --model qwen3-8b --load-format dummy --host-kv-gb 90 "$@"
+sys.exit(run_decode_bench(p.parse_args(sys.argv[1:])))" --model qwen3-8b --load-format dummy --host-kv-gb 92 "$@"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 free -g | head -2
@@ -19,11 +19,9 @@ quick)
   [ "${CHECK:-1}" = 1 ] && python3 scripts/gpu_check_pipeline.py --json "$OUT/check_pipeline.json" 2>&1 | tee "$OUT/check_pipeline.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --transfer-programs 8,16 --no-prefetch-run --output-json "$OUT/decode_b16.json" 2>&1 | tee "$OUT/decode_b16.log"
   ;;
-full)
-  bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --output-json "$OUT/decode_sweep.json" \
-    --plot "$OUT/decode_sweep.png" 2>&1 | tee "$OUT/decode_sweep.log"
-  bench --context-len 32768 --gpu-kv-gb 24 --output-json "$OUT/decode_capacity.json" 2>&1 | tee "$OUT/decode_capacity.log"
-  bench --context-len 32768 --batch-size 16 --mode sparse --fetch-ablation --steps 32 \
-    --output-json "$OUT/decode_fetch_ablation.json" 2>&1 | tee "$OUT/decode_fetch_ablation.log"
+full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool)
+  bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --fetch-ablation \
+    --batch-size 16 --context-len 32768 --gpu-kv-gb 24 --output-json "$OUT/decode_full.json" \
+    --plot "$OUT/decode_sweep.png" 2>&1 | tee "$OUT/decode_full.log"
   ;;
 esac

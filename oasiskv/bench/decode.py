@@ -32,7 +32,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["dense", "sparse", "both"], default="both")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--transfer-programs", default="32",
+    p.add_argument("--transfer-programs", default="8",
                    help="programs (≈ SMs) of the host->GPU gather kernel; a comma list runs sparse once per value")
     p.add_argument("--no-prefetch-run", action="store_true",
                    help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
@@ -291,13 +291,8 @@ def run_decode_bench(args) -> int:
             with open(args.output_json, "w") as f:
                 json.dump(result, f, indent=2)
 
-    if args.gpu_kv_gb is not None:
-        result["capacity"] = cap = bench.capacity(args.context_len, args.gpu_kv_gb)
-        print_capacity(cap)
-    elif args.fetch_ablation:
-        for ratio in FETCH_RATIOS:
-            record(bench.run_sparse(args.batch_size, args.context_len, ratio))
-    else:
+    # One process does every part asked for: the model, pools and graphs are built once.
+    if args.sweep or not (args.gpu_kv_gb is not None or args.fetch_ablation):
         batches = _ints(args.batch_sizes) if args.sweep else [args.batch_size]
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         for context in contexts:
@@ -309,6 +304,19 @@ def run_decode_bench(args) -> int:
                         record(bench.run_sparse(batch, context, transfer_programs=programs))
                     if args.no_prefetch_run:
                         record(bench.run_sparse(batch, context, prefetch=False))
+    if args.fetch_ablation:
+        result["fetch_ablation"] = []
+        print(f"fetch-cap ablation, batch {args.batch_size}, context {args.context_len}:")
+        print_header()
+        for ratio in FETCH_RATIOS:
+            run = bench.run_sparse(args.batch_size, args.context_len, ratio)
+            result["fetch_ablation"].append(run)
+            print_row(run)
+            save()
+    if args.gpu_kv_gb is not None:
+        result["capacity"] = cap = bench.capacity(args.context_len, args.gpu_kv_gb)
+        print_capacity(cap)
+        save()
     if result["runs"]:
         result["speedups"] = speedups(result["runs"])
         for s in result["speedups"]:
