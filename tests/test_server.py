@@ -148,27 +148,26 @@ def test_bad_request_gets_openai_error(base, path, body, status, param):
 
 # ---- abort frees pages and the host extent, wherever the request is --------------------------------
 def test_engine_abort_frees_everything(llm):
+    """Aborted while waiting, mid-prefill, and after going sparse (working set + host extent)."""
     e = llm.engine
     bm, host = e.block_manager, e.runner.sparse.host
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    long_ids = list(range(1000, 1140))  # 140 tokens > the 128 threshold: reserves an extent, goes sparse
 
-    e.add_request(long_ids, params, "mid-prefill")
-    e.add_request([5] * 8, SamplingParams(temperature=0, max_tokens=50), "waiting")
-    e.step()  # 64 of 140 prompt tokens: mid-prefill; the budget is spent, so "waiting" waits
-    assert e.seqs["mid-prefill"].in_prefill and host.bytes_used > 0
-    assert [s.request_id for s in e.scheduler.waiting] == ["waiting"]
-    e.abort("mid-prefill")
-    assert host.bytes_used == 0
-    e.step()
-    e.step()  # "waiting" runs now and decodes
+    e.add_request(list(range(1000, 1140)), params, "sparse")  # 140 > 128 tokens: an extent, then sparse
+    e.add_request([5] * 8, params, "waiting")
+    e.step()  # 64 prompt tokens of "sparse"; the token budget is spent, so "waiting" waits
+    assert [s.request_id for s in e.scheduler.waiting] == ["waiting"] and host.bytes_used > 0
     e.abort("waiting")
-    assert bm.num_free == bm.num_pages and not e.has_unfinished()
+    assert not e.scheduler.waiting
 
-    e.add_request(long_ids, params, "sparse")
-    while e.seqs["sparse"].sparse is None:
-        e.step()
-    assert bm.num_free < bm.num_pages and host.bytes_used > 0  # working set on the GPU, full KV on host
+    e.add_request([6] * 70, params, "mid-prefill")
+    e.step()  # "sparse" takes the whole budget again
+    e.step()  # "sparse" finishes its prompt (12) and converts; "mid-prefill" gets 52 of 70
+    assert e.seqs["sparse"].sparse is not None
+    assert e.seqs["mid-prefill"].in_prefill and e.seqs["mid-prefill"].pages
+    pages_of_sparse = len(e.seqs["sparse"].pages)
+    e.abort("mid-prefill")
+    assert bm.num_pages - bm.num_free == pages_of_sparse  # only the working set is left
     e.abort("sparse")
     assert bm.num_free == bm.num_pages and host.bytes_used == 0 and not e.has_unfinished()
 
