@@ -17,7 +17,7 @@ import pytest
 from server_client import call, free_port, metrics, stream_events
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.bench.serve import start_server, stop_server, wait_for_health
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
 
 ENGINE = dict(max_model_len=512, max_num_batched_tokens=64, sparse=True, sparse_threshold=128,
               top_k_blocks=4, host_kv_gb=0.05)

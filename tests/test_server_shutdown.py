@@ -14,7 +14,7 @@ import time
 import pytest
 from server_client import free_port, metrics, stream_events
 
-from oasiskv.bench.serve import start_server, stop_server
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 from oasiskv.entrypoints.cli import main
 
 FLAGS = ["--model", "smollm2-135m", "--load-format", "dummy", "--max-model-len", "256",

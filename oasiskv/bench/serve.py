@@ -13,14 +13,14 @@ import asyncio
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
@@ -46,51 +46,6 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-args", default=None,
                    help="start `oasiskv serve ARGS` on --host/--port first, and stop it afterwards")
     p.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
-
-
-# ---- a server process (the bench may start one; the tests use this too) ---------------------
-def wait_for_health(base_url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{base_url}/health did not answer within {timeout:.0f} s")
-
-
-def start_server(serve_args: list[str], host: str, port: int, timeout: float = 600.0, wait: bool = True,
-                 **popen_kwargs) -> subprocess.Popen:
-    """`python -m oasiskv.entrypoints.cli serve ...` in its own session; returns once it is healthy
-    (or at once with wait=False: then call wait_for_health yourself)."""
-    cmd = [sys.executable, "-m", "oasiskv.entrypoints.cli", "serve", *serve_args,
-           "--host", host, "--port", str(port)]
-    proc = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
-    if not wait:
-        return proc
-    try:
-        wait_for_health(f"http://{host}:{port}", timeout, proc)
-    except BaseException:
-        stop_server(proc)
-        raise
-    return proc
-
-
-def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int:
-    """SIGTERM (graceful: in-flight requests finish), then SIGKILL if it hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 # ---- one request ----------------------------------------------------------------------------
@@ -254,8 +209,8 @@ def print_result(res: dict) -> None:
     for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         print("{:-^50}".format(title))
-        for stat in ("mean", "median", "p99"):
-            line(f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):", res[f"{stat}_{key}_ms"], ".2f")
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            line(f"{label} {key.upper()} (ms):", res[f"{stat}_{key}_ms"], ".2f")
     if res["sparse_requests"]:
         print("{:-^50}".format("Sparse decode (KV beyond GPU)"))
         line("Sparse requests:", res["sparse_requests"])
@@ -291,7 +246,8 @@ def run_bench_serve(args) -> int:
     if result["failed"]:
         print(f"first error: {next(e for e in result['errors'] if e)}", file=sys.stderr)
     if args.save_result or args.result_filename:
-        name = args.result_filename or f"bench-serve-{model.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = args.result_filename or f"bench-serve-{model.replace('/', '_')}-{stamp}.json"
         path = os.path.join(args.result_dir, name)
         os.makedirs(args.result_dir, exist_ok=True)
         with open(path, "w") as f:
