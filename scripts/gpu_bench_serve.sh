@@ -17,7 +17,18 @@ export PYTHONPATH=.:.gpu_site
 PORT=${PORT:-8000}
 MODEL=${MODEL:-qwen3-8b}
 BENCH_S=${BENCH_S:-200}  # per bench; with two server starts the worst case stays under 10 minutes
-CLI=(python3 -m oasiskv.entrypoints.cli)
+# `oasiskv serve` and `oasiskv bench serve`, without importing every other subcommand of the CLI
+# (`python3 -m oasiskv.entrypoints.cli serve ...` runs the same server).
+SERVE_PY='import argparse, sys
+from oasiskv.entrypoints.args import add_engine_args
+from oasiskv.entrypoints.openai.cli_args import add_server_args
+from oasiskv.entrypoints.openai.api_server import run_server
+p = argparse.ArgumentParser(); add_server_args(p); add_engine_args(p)
+sys.exit(run_server(p.parse_args(sys.argv[1:])))'
+BENCH_PY='import argparse, sys
+from oasiskv.bench.serve import add_bench_serve_args, run_bench_serve
+p = argparse.ArgumentParser(); add_bench_serve_args(p)
+sys.exit(run_bench_serve(p.parse_args(sys.argv[1:])))'
 
 health() {  # wait up to 4 minutes for /health; give up as soon as the server process is gone
   local pid=$1
@@ -45,19 +56,19 @@ stop() {  # SIGTERM, then SIGKILL after 30 s
 # run_case NAME SERVER-FLAGS... -- BENCH-FLAGS...
 run_case() {
   local name=$1; shift
-  local serve=()
-  while [ "$1" != "--" ]; do serve+=("$1"); shift; done
+  local flags=()
+  while [ "$1" != "--" ]; do flags+=("$1"); shift; done
   shift
-  echo "=== $name: serve ${serve[*]}"
+  echo "=== $name: serve ${flags[*]}"
   local t0=$SECONDS
-  "${CLI[@]}" serve --model "$MODEL" --load-format dummy --port "$PORT" ${SERVE_EXTRA:-} "${serve[@]}" \
+  python3 -c "$SERVE_PY" --model "$MODEL" --load-format dummy --port "$PORT" ${SERVE_EXTRA:-} "${flags[@]}" \
     > "$OUT/server_$name.log" 2>&1 &
   local pid=$!
   if ! health "$pid"; then
     echo "server failed to start; log tail:"; tail -30 "$OUT/server_$name.log"; stop "$pid"; return 1
   fi
   echo "ready after $((SECONDS - t0)) s"
-  timeout "$BENCH_S" "${CLI[@]}" bench serve --port "$PORT" "$@" \
+  timeout "$BENCH_S" python3 -c "$BENCH_PY" --port "$PORT" "$@" \
     --result-dir "$OUT" --result-filename "bench_serve_$name.json" 2>&1 | tee "$OUT/bench_$name.log"
   scrape "$OUT/metrics_$name.txt"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/bench_$name.log"
