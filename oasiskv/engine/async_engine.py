@@ -113,10 +113,14 @@ class AsyncEngine:
         self._commands.put(_Add(prompt, params, stream))
         # The engine's ValueError (bad prompt, too long, ...) surfaces here. The engine thread
         # may die while the command waits: look now and then rather than hang.
-        while not stream.accepted.done():
-            await asyncio.wait([stream.accepted], timeout=1.0)
-            if not stream.accepted.done() and not self.is_running:
-                raise EngineStopped("the engine stopped before taking the request")
+        try:
+            while not stream.accepted.done():
+                await asyncio.wait([stream.accepted], timeout=1.0)
+                if not stream.accepted.done() and not self.is_running:
+                    raise EngineStopped("the engine stopped before taking the request")
+        except asyncio.CancelledError:  # the caller gave up: do not leave the request running
+            self.abort(request_id)
+            raise
         stream.accepted.result()
         return stream
 
@@ -162,7 +166,7 @@ class AsyncEngine:
         rid = cmd.stream.request_id
         try:
             self.engine.add_request(cmd.prompt, cmd.params, rid)
-        except ValueError as e:
+        except Exception as e:  # it checks before it changes anything: only this request fails
             cmd.stream.accept(e)
             return
         self._streams[rid] = cmd.stream
