@@ -1,5 +1,6 @@
 """`oasiskv eval agreement` at tiny sizes on the real default model: well-formed output, and the
-oracle (the true next token sent as the draft) predicts exactly the next step's top-K."""
+oracle (the true next token sent as the draft) predicts exactly the next step's top-K. The
+decode crosses a block boundary (416), where a block leaves the window."""
 import json
 
 from oasiskv.entrypoints.cli import main as cli_main
@@ -7,7 +8,7 @@ from oasiskv.entrypoints.cli import main as cli_main
 
 def test_agreement_cli_small(tmp_path, capsys):
     out = tmp_path / "ag.json"
-    assert cli_main(["eval", "agreement", "--texts", "code", "--context-len", "400", "--steps", "3",
+    assert cli_main(["eval", "agreement", "--texts", "code", "--context-len", "410", "--steps", "6",
                      "--ks", "2", "4", "--k", "4", "--drafters", "oracle", "prev",
                      "--sparse-threshold", "256", "--output-json", str(out), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

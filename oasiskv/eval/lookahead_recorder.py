@@ -106,16 +106,25 @@ def covered(mass: torch.Tensor, static: torch.Tensor, blocks: torch.Tensor) -> f
 def block_attention_mass(manager, ws, layer: int, query: torch.Tensor, cached: int) -> torch.Tensor:
     """[Hkv, blocks] share of the attention of the token at position `cached` (its K/V already
     stored) on each logical block, averaged over the kv group's query heads. Reads the keys
-    from the working set, which must hold every block once (a full budget)."""
+    from the working set, which must hold every block (a full budget). A block may be held
+    twice: this layer's prefetch for the next step has already admitted the block about to
+    leave the window, which the window ring still holds; each block counts once."""
     m = manager
     bs, H, G, D = m.block_size, m.Hkv, m.G, m.D
-    blocks = ws.blocks[layer].long()  # [H, P]
+    blocks = ws.blocks[layer].long().clone()  # [H, P]
+    for h in range(H):  # drop repeats: keep each block's first position
+        ids = blocks[h].tolist()
+        seen = set()
+        for p, b in enumerate(ids):
+            if b in seen:
+                blocks[h, p] = -1
+            seen.add(b)
     P = blocks.shape[1]
     nb = cached // bs + 1
     held = torch.zeros(H, nb + 1, dtype=torch.long).scatter_add_(
         1, torch.where(blocks >= 0, blocks, nb), torch.ones_like(blocks))[:, :nb]
     if not bool((held == 1).all()):
-        raise ValueError("attention mass needs every block held once: run with a full budget")
+        raise ValueError("attention mass needs every block held: run with a full budget")
     pages = torch.tensor(ws.pages)
     slots = (pages[None, :] * H + torch.arange(H)[:, None]).reshape(-1).to(m.device)
     keys = m.kv[layer][slots, 0].view(H, P, bs, D).float()
