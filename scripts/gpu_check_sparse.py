@@ -3,11 +3,12 @@
     PYTHONPATH=. python3 scripts/gpu_check_sparse.py [--quick]
     TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/gpu_check_sparse.py --cpu-smoke  # dry run
 
-Checks: score_blocks_triton vs score_blocks_ref in bf16 (and fp16) at realistic shapes
-(16 seqs, Hq=32, Hkv=8, D=128, up to 2048 blocks, ragged; with and without sink/window
-exclusion), pass when the score error is < 1e-5 of the largest |score| (bf16 inputs are exact in
-fp32, only the summation order differs), every score was written, and the top-K sets equal the
-reference's up to near-ties; CUDA-graph replays of score_topk + capped_eviction and of
+Checks: the kernel's per-head bounds (head_bounds_triton vs head_bounds_ref) and the combined
+scores of every combine (score_blocks_triton vs score_blocks_ref) in bf16 (and fp16) at
+realistic shapes (16 seqs, Hq=32, Hkv=8, D=128, up to 2048 blocks, ragged; with and without
+sink/window exclusion), pass when the error is < 1e-5 of the largest |bound| (bf16 inputs are
+exact in fp32, only the summation order differs), every bound was written, and the top-K sets
+equal the reference's up to near-ties; CUDA-graph replays of score_topk + capped_eviction and of
 update_block_minmax after the inputs change in place, against eager results.
 Timing (triton.testing.do_bench, median, CUDA-graph replays): score_topk_triton over block
 tiles / warps, as GB/s of summary bytes read vs the 4.25 TB/s copy (DESIGN §7), next to the
@@ -24,7 +25,8 @@ import sys
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S
-from oasiskv.sparse.block_scores import (score_blocks_ref, score_blocks_torch,
+from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_triton,
+                                         score_blocks_ref, score_blocks_torch,
                                          score_blocks_triton, score_topk_triton, topk_blocks)
 from oasiskv.sparse.capped_eviction import capped_eviction
 
@@ -65,10 +67,12 @@ def score_inputs(R, max_blocks, dtype, seed=0, hkv=HKV, g=G, d=D):
     return q, kmin, kmax, off, nb
 
 
-def score_err(out, ref):
+def score_err(out, ref, scale):
+    """Max |out - ref| over finite entries / scale (the largest |bound|), and whether the -inf
+    patterns agree."""
     same_inf = torch.equal(torch.isneginf(out), torch.isneginf(ref))
     fin = torch.isfinite(ref)
-    err = ((out - ref).abs()[fin].max() / ref.abs()[fin].max()).item() if fin.any() else 0.0
+    err = ((out - ref).abs()[fin].max() / scale).item() if fin.any() else 0.0
     return err, same_inf
 
 
@@ -94,16 +98,25 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
     if window:  # sinks 0..3 and a 4-block window left out of the ranking
         kw = dict(num_sink=4, window_start=(nb - 4).clamp_min(0).int())
     g = shape.get("g", G)
-    out = torch.full((R, kmin.shape[1], max_blocks), float("nan"), device=q.device)
-    score_blocks_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile, out=out, **kw)
-    ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
-    written = not out.isnan().any().item()
-    err, same_inf = score_err(torch.where(out.isnan(), 0.0, out), ref)
-    ids, _ = score_topk_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile, **kw)
-    bad = topk_mismatches(ids, ref, k)
-    name = f"scores {str(dtype)[6:]} R{R} M{max_blocks} k{k} {shape or ''}{' sink+window' if window else ''}"
-    record(name, err < 1e-5 and same_inf and written and bad == 0,
-           rel_err=f"{err:.1e}", inf_pattern=same_inf, written=written, topk_rows_differ=bad)
+    name = f"{str(dtype)[6:]} R{R} M{max_blocks} k{k} {shape or ''}{' sink+window' if window else ''}"
+    u = torch.full((R, q.shape[1], max_blocks), float("nan"), device=q.device)
+    head_bounds_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile, out=u, **kw)
+    ref_u = head_bounds_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
+    written = not u.isnan().any().item()
+    scale = ref_u[torch.isfinite(ref_u)].abs().max().item()
+    err, same_inf = score_err(torch.where(u.isnan(), 0.0, u), ref_u, scale)
+    record(f"bounds {name}", err < 1e-5 and same_inf and written,
+           rel_err=f"{err:.1e}", inf_pattern=same_inf, written=written)
+    for combine in COMBINES:
+        out = score_blocks_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile,
+                                  combine=combine, **kw)
+        ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, combine=combine, **kw)
+        err, same_inf = score_err(out, ref, scale)
+        ids, _ = score_topk_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile,
+                                   combine=combine, **kw)
+        bad = topk_mismatches(ids, ref, k)
+        record(f"scores {combine} {name}", err < 1e-5 and same_inf and bad == 0,
+               rel_err=f"{err:.1e}", inf_pattern=same_inf, topk_rows_differ=bad)
 
 
 def eviction_inputs(R, K, P, num_blocks, seed=0):
@@ -203,6 +216,7 @@ def run_timings(R=16, max_blocks=2048, k=128):
           f"k={k}; summaries {nbytes / 1e6:.1f} MB")
     print(f"{'what':<34} {'us':>8} {'GB/s':>8} {'of 4.25TB/s':>11}")
     out = torch.empty(R, HKV, max_blocks, device=DEV)
+    bounds = torch.empty(R, HQ, max_blocks, device=DEV)
     rows = []
     for tile in (32, 64, 128):
         for warps in (2, 4, 8):
@@ -213,6 +227,11 @@ def run_timings(R=16, max_blocks=2048, k=128):
     rows.append(("scores only (best config)", bench(lambda: score_blocks_triton(
         q, kmin, kmax, off, nb, G, max_blocks, block_tile=best["tile"], num_warps=best["warps"],
         out=out)), best))
+    rows.append(("per-head bounds kernel only (best)", bench(lambda: head_bounds_triton(
+        q, kmin, kmax, off, nb, G, max_blocks, block_tile=best["tile"], num_warps=best["warps"],
+        out=bounds)), best))
+    rows.append(("score+topk combine=sum (best config)", bench(lambda: score_topk_triton(
+        q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=best["tile"], combine="sum")), best))
     rows.append((f"torch.topk only, k={k}", bench(lambda: topk_blocks(out, k)), {}))
     for kk in (64, 256):
         rows.append((f"score+topk k={kk} (best config)", bench(lambda: score_topk_triton(

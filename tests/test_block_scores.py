@@ -12,12 +12,14 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
-from oasiskv.sparse.block_scores import (score_blocks_ref, score_blocks_torch,
-                                         score_topk, topk_blocks)
+from oasiskv.sparse.block_scores import (COMBINES, combine_heads, head_bounds_ref,
+                                         score_blocks_ref, score_blocks_torch, score_topk,
+                                         topk_blocks)
 from oasiskv.sparse.summaries import block_minmax
 
-# Scores are float32 sums of 2·D products in every path; only the order differs, so the gap
-# is float32 rounding: 1e-5 of the row's largest |score| (which is ~10..100 here).
+# Bounds are float32 sums of 2·D products in every path; only the order differs, so the gap
+# is float32 rounding: 1e-5 of the largest |bound| (~10..100 here). Combined scores (a sum, or a
+# bound minus the head's best) carry that same absolute error, so they are held to it too.
 REL_TOL = 1e-5
 
 
@@ -34,13 +36,16 @@ def make_inputs(R, Hkv, G, D, num_blocks, dtype, bs=4, seed=0):
     return q, kmin, kmax, offsets, nb, keys
 
 
-def rel_err(a, b):
-    """Max |a - b| over finite entries / max |b|; requires the -inf entries to coincide."""
+def abs_err(a, b):
+    """Max |a - b| over finite entries; requires the -inf entries to coincide."""
     assert torch.equal(torch.isneginf(a), torch.isneginf(b))
     fin = torch.isfinite(b)
-    if not fin.any():
-        return 0.0
-    return ((a - b).abs()[fin].max() / b.abs()[fin].max()).item()
+    return (a - b).abs()[fin].max().item() if fin.any() else 0.0
+
+
+def finite_max(x):
+    fin = torch.isfinite(x)
+    return x.abs()[fin].max().item() if fin.any() else 1.0
 
 
 def topk_agrees(ids, ref_scores, k, rel_tol=1e-4):
@@ -62,33 +67,69 @@ def topk_agrees(ids, ref_scores, k, rel_tol=1e-4):
     return True
 
 
-def test_quest_bound_is_upper_bound_of_true_group_score():
-    """For every block: score >= max over its tokens of Σ_g q_g·k (the group's summed logit)."""
+def test_quest_bound_is_upper_bound_of_each_heads_logit():
+    """For every block and query head: bound >= max over its tokens of q_g·k, and the formula
+    of DESIGN §3 step 3 term by term."""
     bs, Hkv, G, D = 4, 2, 3, 16
     q, kmin, kmax, off, nb, keys = make_inputs(3, Hkv, G, D, [5, 1, 7], torch.float32, bs)
-    s = score_blocks_ref(q, kmin, kmax, off, nb, G)
-    qg = q.view(3, Hkv, G, D)
+    u = head_bounds_ref(q, kmin, kmax, off, nb, G)  # [R, Hq, M]
     for r in range(3):
         for b in range(int(nb[r])):
             tok = keys[(int(off[r]) + b) * bs:(int(off[r]) + b + 1) * bs]  # [bs, Hkv, D]
-            true = torch.einsum("hgd,thd->th", qg[r], tok).amax(0)  # [Hkv]
-            assert (s[r, :, b] >= true - 1e-4).all()
-            # and the formula of DESIGN §3 step 3 term by term, for kv head 0
+            true = torch.einsum("hgd,thd->thg", q[r].view(Hkv, G, D), tok).amax(0)  # [Hkv, G]
+            assert (u[r, :, b] >= true.reshape(-1) - 1e-4).all()
             blk = int(off[r]) + b
-            lit = sum(max(qg[r, 0, g, i] * kmax[blk, 0, i], qg[r, 0, g, i] * kmin[blk, 0, i]).item()
-                      for g in range(G) for i in range(D))
-            assert abs(lit - s[r, 0, b].item()) < 1e-3
+            for head in (0, G + 1):  # the first head of kv head 0, the second of kv head 1
+                h = head // G
+                lit = sum(max(q[r, head, i] * kmax[blk, h, i], q[r, head, i] * kmin[blk, h, i]).item()
+                          for i in range(D))
+                assert abs(lit - u[r, head, b].item()) < 1e-3
 
 
+def test_combines():
+    """shifted_max: max over the group of each head's bound minus its best block's; sum: the
+    group sum (an upper bound of the group's summed logit). Rows without blocks stay -inf."""
+    q, kmin, kmax, off, nb, _ = make_inputs(3, 2, 3, 16, [6, 0, 4], torch.float32)
+    u = head_bounds_ref(q, kmin, kmax, off, nb, 3, 8)
+    per = u.view(3, 2, 3, 8)
+    assert torch.equal(combine_heads(u, 3, "sum"), per.sum(2))
+    s = combine_heads(u, 3, "shifted_max")
+    assert torch.isneginf(s[1]).all() and torch.isneginf(s[:, :, 6:]).all()
+    for r in (0, 2):
+        for h in range(2):
+            n = int(nb[r])
+            want = (per[r, h, :, :n] - per[r, h, :, :n].amax(-1, keepdim=True)).amax(0)
+            assert torch.allclose(s[r, h, :n], want) and s[r, h, :n].max() == 0
+    with pytest.raises(ValueError, match="unknown combine"):
+        combine_heads(u, 3, "mean")
+
+
+def test_shifted_max_keeps_a_sharp_heads_block():
+    """Why the default is not the sum: a broad head with large bounds everywhere outvotes a head
+    that points at one block; with the shift each head's best block ranks first."""
+    D, M = 4, 6
+    kmin = torch.zeros(M, 1, D)
+    kmax = torch.zeros(M, 1, D)
+    kmax[:, 0, 0] = torch.tensor([50.0, 40, 30, 20, 10, 0])  # the broad head reads dim 0
+    kmax[5, 0, 1] = 3.0  # block 5 stands out only along the sharp head's dim 1
+    q = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0]]])  # [R=1, G=2, D]
+    args = (q, kmin, kmax, torch.tensor([0]), torch.tensor([M]), 2)
+    top = lambda c: set(score_topk(*args, k=2, max_blocks=M, combine=c)[0][0, 0].tolist())
+    assert top("sum") == {0, 1}
+    assert top("shifted_max") == {0, 5}
+
+
+@pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("G,D", [(1, 64), (3, 64), (4, 128)])
-def test_torch_path_matches_ref(G, D):
+def test_torch_path_matches_ref(G, D, combine):
     q, kmin, kmax, off, nb, _ = make_inputs(4, 2, G, D, [9, 0, 1, 20], torch.float32, seed=G)
     ws = torch.tensor([7, 0, 1, 18])
     for kw in [{}, dict(num_sink=1, window_start=ws)]:
-        ref = score_blocks_ref(q, kmin, kmax, off, nb, G, 24, **kw)
-        out = score_blocks_torch(q, kmin, kmax, off, nb, G, 24, **kw)
+        ref = score_blocks_ref(q, kmin, kmax, off, nb, G, 24, combine=combine, **kw)
+        out = score_blocks_torch(q, kmin, kmax, off, nb, G, 24, combine=combine, **kw)
+        scale = head_bounds_ref(q, kmin, kmax, off, nb, G, 24, **kw)
         assert ref.shape == (4, 2, 24) and ref.dtype == torch.float32
-        assert rel_err(out, ref) < REL_TOL
+        assert abs_err(out, ref) < REL_TOL * finite_max(scale)
     assert torch.isneginf(ref[1]).all() and torch.isfinite(ref[3, :, 1:18]).all()
     assert torch.isneginf(ref[3, :, 0]).all() and torch.isneginf(ref[3, :, 18:]).all()
 
@@ -101,10 +142,11 @@ def test_topk_blocks_padding_and_order():
     assert vals[0, 0, :3].tolist() == [3.0, 2.0, 1.0] and torch.isneginf(vals[0, 0, 3:]).all()
 
 
-def test_score_topk_cpu_dispatch():
+@pytest.mark.parametrize("combine", COMBINES)
+def test_score_topk_cpu_dispatch(combine):
     q, kmin, kmax, off, nb, _ = make_inputs(3, 2, 4, 64, [30, 2, 11], torch.float32)
-    ids, vals = score_topk(q, kmin, kmax, off, nb, 4, k=8, max_blocks=32)
-    assert topk_agrees(ids, score_blocks_ref(q, kmin, kmax, off, nb, 4, 32), 8)
+    ids, vals = score_topk(q, kmin, kmax, off, nb, 4, k=8, max_blocks=32, combine=combine)
+    assert topk_agrees(ids, score_blocks_ref(q, kmin, kmax, off, nb, 4, 32, combine=combine), 8)
     assert (ids[1, :, 2:] == -1).all()
 
 
@@ -121,20 +163,31 @@ MAX_BLOCKS, TILE, K = 40, 16, 6  # 3 tiles, the last partial
 
 
 def run_interpreter_cases() -> dict:
-    """Runs in the TRITON_INTERPRET=1 subprocess: per case, the relative score error and
+    """Runs in the TRITON_INTERPRET=1 subprocess: per case, the kernel's per-head bounds and
+    each combine's scores against the reference (error relative to the bounds' scale), and
     whether the top-K sets agree with the reference's (up to ties)."""
-    from oasiskv.sparse.block_scores import score_blocks_triton, score_topk_triton
+    from oasiskv.sparse.block_scores import (head_bounds_triton, score_blocks_triton,
+                                             score_topk_triton)
     results = {}
     for name, (R, Hkv, G, D, nbs, dtype, kw) in TRITON_CASES.items():
         q, kmin, kmax, off, nb, _ = make_inputs(R, Hkv, G, D, nbs, dtype, seed=len(name))
         if "window_start" in kw:
             kw = dict(kw, window_start=torch.tensor(kw["window_start"], dtype=torch.int32))
-        ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
-        out = score_blocks_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE, **kw)
-        ids, vals = score_topk_triton(q, kmin, kmax, off, nb, G, K, MAX_BLOCKS, block_tile=TILE, **kw)
-        results[name] = {"rel_err": rel_err(out, ref), "topk_agree": topk_agrees(ids, ref, K),
-                         "vals_match_scores": bool(torch.equal(
-                             torch.where(ids >= 0, out.gather(2, ids.long().clamp_min(0)), vals), vals))}
+        ref_u = head_bounds_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
+        u = head_bounds_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE, **kw)
+        scale = finite_max(ref_u)
+        res = {"bounds_rel_err": abs_err(u, ref_u) / scale}
+        for combine in COMBINES:
+            ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, combine=combine, **kw)
+            out = score_blocks_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE,
+                                      combine=combine, **kw)
+            ids, vals = score_topk_triton(q, kmin, kmax, off, nb, G, K, MAX_BLOCKS, block_tile=TILE,
+                                          combine=combine, **kw)
+            res[combine] = {"rel_err": abs_err(out, ref) / scale,
+                            "topk_agree": topk_agrees(ids, ref, K),
+                            "vals_match_scores": bool(torch.equal(
+                                torch.where(ids >= 0, out.gather(2, ids.long().clamp_min(0)), vals), vals))}
+        results[name] = res
     return results
 
 
@@ -146,7 +199,10 @@ def interpreter_results():
 @pytest.mark.parametrize("name", list(TRITON_CASES), ids=str)
 def test_score_triton_interpreter(interpreter_results, name):
     res = interpreter_results[name]
-    assert res["rel_err"] < REL_TOL and res["topk_agree"] and res["vals_match_scores"], res
+    assert res["bounds_rel_err"] < REL_TOL, res
+    for combine in COMBINES:
+        c = res[combine]
+        assert c["rel_err"] < REL_TOL and c["topk_agree"] and c["vals_match_scores"], res
 
 
 if __name__ == "__main__":

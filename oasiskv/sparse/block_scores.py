@@ -1,23 +1,37 @@
 """Block scoring from the compressed keys and per-(sequence, kv head) top-K (DESIGN §3 step 3).
 
-The draft query of a sequence (all Hq heads) is scored against every block's summary with the
-Quest upper bound of q·k, summed over the G query heads of each kv group:
+Each query head g of a kv group h gets the Quest upper bound of its logit q_g·k over block b:
 
-    score(b, h) = Σ_{g in group h} Σ_i max(q_gi · kmax_bhi, q_gi · kmin_bhi)
+    u(b, g) = Σ_i max(q_gi · kmax_bhi, q_gi · kmin_bhi)
+
+and the group's G bounds are combined into one score per (block, kv head), by default
+
+    score(b, h) = max_{g in group h} ( u(b, g) - max_b' u(b', g) )     ("shifted_max")
+
+i.e. each head ranks the blocks by how close their bound comes to that head's best block, and
+a block counts as much as the head that wants it most. Why not the plain sum Σ_g u(b, g)
+("sum", kept for comparison): it adds bounds of very different scales, so broad heads whose
+bounds vary a lot from block to block drown out a head that points sharply at one block. On
+passkey retrieval with SmolLM2-135M (docs/accuracy.md) that is exactly the needle block, ranked
+~140th of 250 by the sum and first by the head that copies from it.
 
 Because kmax >= kmin elementwise, max(q·kmax, q·kmin) is q·kmax for q >= 0 and q·kmin for
-q < 0, so the group sum collapses to two D-vectors per (sequence, kv head):
+q < 0, so each head's bound is two D-vectors against the summaries:
 
-    score(b, h) = Σ_i (Σ_g max(q_gi, 0)) · kmax_bhi + (Σ_g min(q_gi, 0)) · kmin_bhi
+    u(b, g) = Σ_i max(q_gi, 0) · kmax_bhi + min(q_gi, 0) · kmin_bhi
 
-which is what the Triton kernel computes: one pass over the summaries, 2·D multiply-adds and
-4·D bytes (bf16) per (block, head), i.e. purely bandwidth-bound. The reference spells out the
-literal max; the two agree up to float32 rounding.
+On CUDA the bounds kernel loads each (block tile, kv head) of summaries once and computes the
+G heads' bounds from it (2·G·D multiply-adds per 4·D bytes in bf16: bandwidth-bound, one pass
+over the summaries). It writes them [R, Hq, M] in float32 with each tile's best bound per head
+(4·G bytes per (block, kv head): a few % of the summary bytes at D = 128); a second small kernel
+takes each head's best over the tiles and combines. The torch path (CPU) does the same with one
+batched matmul; the reference spells out the literal max per head. All agree up to float32
+rounding.
 
 Scores are indexed by the sequence's logical block (0 .. num_blocks-1); blocks outside the
 scored range are -inf. Optionally the sink blocks (< num_sink) and the local window
 (>= window_start) are left out too: they are always on the GPU, so top-K spends its K on the
-dynamic blocks only.
+dynamic blocks only (and the shift is the best *dynamic* block's bound).
 """
 from __future__ import annotations
 
@@ -30,6 +44,7 @@ except ImportError:  # CPU-only installs use the torch path
     triton = None
 
 NEG_INF = float("-inf")
+COMBINES = ("shifted_max", "sum")  # how the G per-head bounds of a kv group make one score
 
 
 def _scored_range(block_offsets, num_blocks, max_blocks, num_sink, window_start):
@@ -41,16 +56,31 @@ def _scored_range(block_offsets, num_blocks, max_blocks, num_sink, window_start)
     return (b[None, :] >= num_sink) & (b[None, :] < end[:, None])
 
 
-def score_blocks_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                     block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
-                     max_blocks: int | None = None, num_sink: int = 0,
-                     window_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Quest bound summed over each kv group (DESIGN §3 step 3), literally, in float32.
+def combine_heads(bounds: torch.Tensor, group_size: int, combine: str = "shifted_max") -> torch.Tensor:
+    """bounds [R, Hq, M] float32 per query head (-inf outside the scored range) -> [R, Hkv, M].
+
+    Pure tensor ops, no host sync (CUDA-graph safe). A row with no scored block stays -inf."""
+    R, Hq, M = bounds.shape
+    per = bounds.view(R, Hq // group_size, group_size, M)
+    if combine == "sum":
+        return per.sum(2)
+    if combine != "shifted_max":
+        raise ValueError(f"unknown combine {combine!r}; choose one of {', '.join(COMBINES)}")
+    best = per.amax(-1, keepdim=True)
+    best = torch.where(torch.isfinite(best), best, torch.zeros((), device=best.device))
+    return (per - best).amax(2)
+
+
+def head_bounds_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                    block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
+                    max_blocks: int | None = None, num_sink: int = 0,
+                    window_start: torch.Tensor | None = None) -> torch.Tensor:
+    """The Quest bound of every query head over every block, literally, in float32.
 
     q: [R, Hq, D] one draft query per sequence; kmin, kmax: [total_blocks, Hkv, D];
     block_offsets, num_blocks: [R] int, where each sequence's blocks start in the global tensor
     and how many it has; max_blocks: width of the output (default: num_blocks.max(), a host sync).
-    Returns [R, Hkv, max_blocks] float32, -inf for b >= num_blocks, b < num_sink and
+    Returns [R, Hq, max_blocks] float32, -inf for b >= num_blocks, b < num_sink and
     b >= window_start (when given).
     """
     R, Hq, D = q.shape
@@ -65,27 +95,39 @@ def score_blocks_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     lo = kmin[idx].float()  # [R, M, Hkv, D]
     hi = kmax[idx].float()
     qg = q.float().view(R, 1, Hkv, G, D)
-    s = torch.maximum(qg * hi[:, :, :, None], qg * lo[:, :, :, None]).sum((-1, -2))  # [R, M, Hkv]
-    s = s.transpose(1, 2).contiguous()
-    return s.masked_fill(~keep[:, None, :], NEG_INF)
+    u = torch.maximum(qg * hi[:, :, :, None], qg * lo[:, :, :, None]).sum(-1)  # [R, M, Hkv, G]
+    u = u.reshape(R, max_blocks, Hq).transpose(1, 2).contiguous()
+    return u.masked_fill(~keep[:, None, :], NEG_INF)
+
+
+def score_blocks_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                     block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
+                     max_blocks: int | None = None, num_sink: int = 0,
+                     window_start: torch.Tensor | None = None,
+                     combine: str = "shifted_max") -> torch.Tensor:
+    """[R, Hkv, max_blocks] float32: `head_bounds_ref` combined over each kv group."""
+    u = head_bounds_ref(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
+                        num_sink, window_start)
+    return combine_heads(u, group_size, combine)
 
 
 def score_blocks_torch(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                        max_blocks: int, num_sink: int = 0,
-                       window_start: torch.Tensor | None = None) -> torch.Tensor:
+                       window_start: torch.Tensor | None = None,
+                       combine: str = "shifted_max") -> torch.Tensor:
     """Same contract as `score_blocks_ref` via the two-vector identity (module docstring): one
     batched matmul instead of a [R, M, Hkv, G, D] temporary. The CPU path."""
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     keep = _scored_range(block_offsets, num_blocks, max_blocks, num_sink, window_start)
     qf = q.float().view(R, Hkv, group_size, D)
-    qv = torch.cat([qf.clamp_min(0).sum(2), qf.clamp_max(0).sum(2)], -1)  # [R, Hkv, 2D]
+    qv = torch.cat([qf.clamp_min(0), qf.clamp_max(0)], -1)  # [R, Hkv, G, 2D]
     b = torch.arange(max_blocks, device=q.device)
     idx = (block_offsets.long()[:, None] + b[None, :]).clamp(0, max(kmin.shape[0] - 1, 0))
     summ = torch.cat([kmax[idx], kmin[idx]], -1).float().permute(0, 2, 3, 1)  # [R, Hkv, 2D, M]
-    s = torch.matmul(qv[:, :, None, :], summ)[:, :, 0]  # [R, Hkv, M]
-    return s.masked_fill(~keep[:, None, :], NEG_INF)
+    u = torch.matmul(qv, summ).view(R, Hq, max_blocks)
+    return combine_heads(u.masked_fill(~keep[:, None, :], NEG_INF), group_size, combine)
 
 
 def topk_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,14 +146,15 @@ def topk_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 def score_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                k: int, max_blocks: int, num_sink: int = 0,
-               window_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               window_start: torch.Tensor | None = None, *,
+               combine: str = "shifted_max") -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted blocks of each (sequence, kv head): Triton on CUDA, torch otherwise.
     Returns (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32) as `topk_blocks`."""
     if q.is_cuda and triton is not None:
         return score_topk_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
-                                 max_blocks, num_sink, window_start)
+                                 max_blocks, num_sink, window_start, combine=combine)
     s = score_blocks_torch(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
-                           num_sink, window_start)
+                           num_sink, window_start, combine)
     return topk_blocks(s, k)
 
 
@@ -120,62 +163,121 @@ def score_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _score_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr,
-                      stride_qr, stride_qh, stride_kb, stride_kh,
-                      stride_or, stride_oh, max_blocks, num_sink,
-                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                      BB: tl.constexpr, HAS_WS: tl.constexpr):
+    def _head_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
+                            stride_qr, stride_qh, stride_kb, stride_kh,
+                            stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_sink,
+                            G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                            BB: tl.constexpr, HAS_WS: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         t = tl.program_id(2)
-        # The G query heads of this kv group, folded once into the two D-vectors.
-        g = tl.arange(0, GP)
         d = tl.arange(0, DP)
-        qmask = (g[:, None] < G) & (d[None, :] < D)
-        q = tl.load(q_ptr + r * stride_qr + (h * G + g)[:, None] * stride_qh + d[None, :],
-                    mask=qmask, other=0.0).to(tl.float32)
-        qp = tl.sum(tl.maximum(q, 0.0), axis=0)  # [DP]
-        qn = tl.sum(tl.minimum(q, 0.0), axis=0)
         start = tl.load(off_ptr + r).to(tl.int64)
         end = tl.load(nb_ptr + r)
         if HAS_WS:
             end = tl.minimum(end, tl.load(ws_ptr + r))
         b = t * BB + tl.arange(0, BB)
         keep = (b >= num_sink) & (b < end)
+        # One load of the tile's summaries serves all G query heads of the group.
         ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
         m = keep[:, None] & (d[None, :] < D)
         hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
         lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
-        s = tl.sum(hi * qp[None, :] + lo * qn[None, :], axis=1)  # [BB] fp32
-        s = tl.where(keep, s, float("-inf"))
+        for g in tl.static_range(G):
+            qh = h * G + g
+            q = tl.load(q_ptr + r * stride_qr + qh * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+            u = tl.sum(hi * tl.maximum(q, 0.0)[None, :] + lo * tl.minimum(q, 0.0)[None, :], axis=1)
+            u = tl.where(keep, u, float("-inf"))
+            tl.store(out_ptr + r * stride_or + qh * stride_oh + b, u, mask=b < max_blocks)
+            # The tile's best bound per head: the combine takes the max over tiles.
+            tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0))
+
+    @triton.jit
+    def _combine_kernel(u_ptr, tmax_ptr, out_ptr, stride_ur, stride_uh, stride_tr, stride_th,
+                        stride_or, stride_oh, max_blocks, num_tiles,
+                        G: tl.constexpr, BB: tl.constexpr, TP: tl.constexpr, SUM: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        t = tl.program_id(2)
+        b = t * BB + tl.arange(0, BB)
+        tt = tl.arange(0, TP)
+        if SUM:
+            s = tl.zeros((BB,), dtype=tl.float32)
+        else:
+            s = tl.full((BB,), float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(G):
+            qh = h * G + g
+            u = tl.load(u_ptr + r * stride_ur + qh * stride_uh + b, mask=b < max_blocks,
+                        other=float("-inf"))
+            if SUM:
+                s += u
+            else:
+                best = tl.max(tl.load(tmax_ptr + r * stride_tr + qh * stride_th + tt,
+                                      mask=tt < num_tiles, other=float("-inf")), axis=0)
+                best = tl.where(best == float("-inf"), 0.0, best)  # nothing scored: stay -inf
+                s = tl.maximum(s, u - best)
         tl.store(out_ptr + r * stride_or + h * stride_oh + b, s, mask=b < max_blocks)
+
+
+def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                       block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
+                       max_blocks: int, num_sink: int = 0,
+                       window_start: torch.Tensor | None = None, block_tile: int = 64,
+                       num_warps: int = 4, out: torch.Tensor | None = None,
+                       tile_max: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
+    bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, block tiles); launch sizes
+    come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
+    so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
+    loads are masked off)."""
+    R, Hq, D = q.shape
+    Hkv = kmin.shape[1]
+    G = group_size
+    assert Hq == G * Hkv and q.stride(-1) == 1 and kmin.stride() == kmax.stride() \
+        and kmin.stride(-1) == 1
+    tiles = triton.cdiv(max_blocks, block_tile)
+    if out is None:
+        out = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
+    if tile_max is None:
+        tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
+    ws = window_start if window_start is not None else num_blocks
+    if R and max_blocks:
+        _head_bounds_kernel[(R, Hkv, tiles)](
+            q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
+            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
+            out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
+            max_blocks, num_sink,
+            G=G, D=D, DP=triton.next_power_of_2(D), BB=block_tile,
+            HAS_WS=window_start is not None, num_warps=num_warps)
+    return out
 
 
 def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                         block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                         max_blocks: int, num_sink: int = 0,
                         window_start: torch.Tensor | None = None, block_tile: int = 64,
-                        num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Scores [R, Hkv, max_blocks] float32 as `score_blocks_ref`. Grid (R, Hkv, block tiles);
-    launch sizes come from shapes and the static `max_blocks`, the per-sequence counts are read
-    on device, so the launch is CUDA-graph capturable. Tiles past a sequence's end only
-    store -inf (their loads are masked off)."""
-    R, Hq, D = q.shape
+                        num_warps: int = 4, out: torch.Tensor | None = None,
+                        combine: str = "shifted_max") -> torch.Tensor:
+    """Scores [R, Hkv, max_blocks] float32 as `score_blocks_ref`: the bounds kernel (one pass
+    over the summaries), then a combine kernel over its small outputs (4·G bytes per (block,
+    kv head) and the per-tile maxima). Two launches, no host sync, CUDA-graph capturable."""
+    if combine not in COMBINES:
+        raise ValueError(f"unknown combine {combine!r}; choose one of {', '.join(COMBINES)}")
+    R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
-    G = group_size
-    assert Hq == G * Hkv and q.stride(-1) == 1 and kmin.stride() == kmax.stride() \
-        and kmin.stride(-1) == 1
+    tiles = triton.cdiv(max_blocks, block_tile)
+    u = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
+    tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
+    head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
+                       num_sink, window_start, block_tile, num_warps, out=u, tile_max=tile_max)
     if out is None:
         out = torch.empty(R, Hkv, max_blocks, device=q.device, dtype=torch.float32)
-    ws = window_start if window_start is not None else num_blocks
-    grid = (R, Hkv, triton.cdiv(max_blocks, block_tile))
     if R and max_blocks:
-        _score_kernel[grid](
-            q, kmin, kmax, block_offsets, num_blocks, ws, out,
-            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
-            out.stride(0), out.stride(1), max_blocks, num_sink,
-            G=G, GP=triton.next_power_of_2(G), D=D, DP=triton.next_power_of_2(D), BB=block_tile,
-            HAS_WS=window_start is not None, num_warps=num_warps)
+        _combine_kernel[(R, Hkv, tiles)](
+            u, tile_max, out, u.stride(0), u.stride(1), tile_max.stride(0), tile_max.stride(1),
+            out.stride(0), out.stride(1), max_blocks, tiles,
+            G=group_size, BB=block_tile, TP=triton.next_power_of_2(tiles), SUM=combine == "sum",
+            num_warps=num_warps)
     return out
 
 
@@ -183,13 +285,15 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                       k: int, max_blocks: int, num_sink: int = 0,
                       window_start: torch.Tensor | None = None,
-                      block_tile: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton scores, then torch.topk over the [R, Hkv, max_blocks] float32 buffer.
+                      block_tile: int = 64, combine: str = "shifted_max"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton scores (bounds, combine), then torch.topk over the [R, Hkv, max_blocks] float32
+    scores.
 
-    Why not a fused top-K: the buffer is 4 bytes per (block, head) against the 4·D = 512 bytes
-    of summaries the scoring reads, so the extra round trip is < 1% of the bytes, and
-    torch.topk is one graph-capturable launch with sorted output; a fused kernel would need a
-    cross-tile merge (a second pass anyway) for a gain inside that 1%."""
+    Why not a fused top-K: the score buffers are 4·(G + 1) bytes per (block, kv head) against
+    the 4·D bytes of summaries the scoring reads (a few %), and torch.topk is one
+    graph-capturable launch with sorted output; a fused kernel would need a cross-tile merge (a
+    second pass anyway), as the shifted max needs every block's bound before any score is final."""
     s = score_blocks_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
-                            num_sink, window_start, block_tile)
+                            num_sink, window_start, block_tile, combine=combine)
     return topk_blocks(s, k)
