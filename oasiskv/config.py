@@ -30,6 +30,7 @@ class EngineConfig:
     fetch_ratio: float = 0.05
     drafter: str = "self"
     host_kv_gb: float = 4.0
+    sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -46,6 +47,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.sparse_pipeline not in ("auto", "on", "off"):
+            raise ValueError(f"sparse_pipeline must be auto, on or off, got {self.sparse_pipeline!r}")
+        if self.sparse_pipeline == "on" and self.drafter in ("oracle", "ondemand"):
+            raise ValueError(f"the {self.drafter} drafter runs on the in-line path only: use --sparse-pipeline off")
         sc = self.sparse_config()  # validates the sparse flags
         if sc.enabled and sc.sparse_threshold <= (sc.sink_blocks + sc.window_blocks) * self.block_size:
             raise ValueError(f"--sparse-threshold {sc.sparse_threshold} must exceed the sink and window "

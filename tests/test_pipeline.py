@@ -1,64 +1,33 @@
-"""The batched lookahead pipeline (issue 4: GPU-resident state, stages as tensor work) against the
-per-request sparse path of the engine, on the real default model: from the same converted
-request, both decode the same tokens, keep the same blocks and move the same bytes."""
+"""The batched lookahead pipeline (issue 4: GPU-resident state, stages as tensor work, rows of
+many requests) against the in-line per-request path, through the whole engine on the real
+default model: with a small budget (eviction and the cap at work), two requests batched, one
+finishing before the other (its row is released and the other moves into it), both paths
+decode the same tokens and count the same hits, admissions, evictions and bytes."""
 import argparse
 
-import torch
+import pytest
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.sparse.decode_step import SparseDecodeStep
-from oasiskv.sparse.drafters import next_draft
-from oasiskv.sparse.pipeline import LookaheadPipeline
 
-STEPS = 24  # crosses at least one block boundary (write-through) at block size 16
-
-
-def test_pipeline_matches_per_request_path():
-    llm = LLM(max_model_len=512, sparse=True, top_k_blocks=8, window_blocks=2, sink_blocks=1,
+BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, sink_blocks=1,
               sparse_threshold=256, fetch_ratio=0.25, host_kv_gb=0.25)
-    eng, runner = llm.engine, llm.engine.runner
-    m, mc = runner.sparse, runner.model_config
-    ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:400]
-    rid = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=STEPS + 1, ignore_eos=True))
-    seq = eng.seqs[rid]
-    while seq.sparse is None:
-        eng.step()
-    ws = seq.sparse
-    S, K = m.cfg.sink_blocks, m.cfg.top_k_blocks
-    snap = dict(kv=runner.kv.clone(), host=m.host.items.clone(), blocks=ws.blocks.clone(),
-                last=ws.last_selected.clone(), kmin=ws.kmin.clone(), kmax=ws.kmax.clone(),
-                step=m.step, tokens=list(seq.token_ids), cached=seq.num_tokens - 1)
 
-    while eng.has_unfinished():  # path A: the engine's per-request path
-        eng.step()
-    want_tokens = seq.output_token_ids[1:]
-    want_resident, want_host, want_stats = ws.blocks[:, :, S:S + K].clone(), m.host.items.clone(), ws.stats
 
-    runner.kv.copy_(snap["kv"])  # path B: the pipeline, from the same state
-    m.host.items.copy_(snap["host"])
-    ext = ws.extent
-    p = LookaheadPipeline(m.cfg, mc, runner.kv, m.host, max_rows=1, max_blocks=ext.max_blocks,
-                          summary_blocks=ext.max_blocks, block_size=runner.block_size)
-    p.bind(0, ws.pages, ext, summary_offset=0)
-    p.resident[:, :] = snap["blocks"][:, :, S:S + K]
-    p.last[:, :] = snap["last"].int()
-    p.kmin[:, :ext.max_blocks] = snap["kmin"]
-    p.kmax[:, :ext.max_blocks] = snap["kmax"]
-    p.cached[0], p.active[0], p.step[()] = snap["cached"], True, snap["step"]
-    step = SparseDecodeStep(runner.model, runner.kv_caches, p, mc.max_position_embeddings, use_graph=False)
-    tokens, draft, got = snap["tokens"], None, []
-    for _ in range(STEPS):
-        tok = tokens[-1]
-        logits = runner.model.compute_logits(step.run(torch.tensor([tok, draft if draft is not None else tok])))
-        new, draft_argmax = int(logits[0].argmax()), int(logits[1].argmax())
-        tokens = tokens + [new]
-        draft = next_draft("self", tokens, draft, new, draft_argmax)
-        got.append(new)
-
-    assert got == want_tokens
-    assert torch.equal(p.resident.view_as(want_resident), want_resident)
-    hits, missed, admitted, evicted = p.stats.sum(0).tolist()
-    assert (hits, admitted, evicted) == (want_stats.hits, want_stats.admitted, want_stats.evicted)
-    assert hits + missed == want_stats.predicted and admitted > 0 and evicted > 0
-    assert p.fetched_bytes == want_stats.bytes_to_device
-    assert torch.equal(m.host.items, want_host)  # write-through wrote the same completed blocks
+@pytest.mark.parametrize("drafter", ["self", "prev"])
+def test_pipeline_matches_inline_path(drafter):
+    text = open(argparse.__file__).read()
+    runs = {}
+    for path in ("off", "on"):
+        llm = LLM(sparse_pipeline=path, drafter=drafter, **BUDGET)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        prompts = [ids[:400], ids[3000:3330]]
+        params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)]
+        runs[path] = llm.generate(prompts, params)
+        if path == "on":
+            assert llm.engine.runner.pipeline is not None and llm.engine.runner.pipeline.num_rows == 0
+    for ref, got in zip(runs["off"], runs["on"]):
+        assert got.token_ids == ref.token_ids
+        keys = ["sparse_steps", "predicted", "hits", "admitted", "evicted", "bytes_to_device", "draft_acceptance"]
+        assert {k: got.stats[k] for k in keys} == {k: ref.stats[k] for k in keys}
+    assert runs["on"][1].stats["admitted"] > 0 and runs["on"][1].stats["evicted"] > 0

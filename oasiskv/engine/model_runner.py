@@ -16,8 +16,10 @@ from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import iter_weights, resolve_model
-from oasiskv.sparse.drafters import next_draft
+from oasiskv.sparse.decode_step import SparseDecodeStep
+from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
 from oasiskv.sparse.manager import SparseManager
+from oasiskv.sparse.pipeline import LookaheadPipeline
 from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -55,6 +57,14 @@ class ModelRunner:
         self.kv_caches = list(self.kv.unbind(0))
         sc = cfg.sparse_config()
         self.sparse = SparseManager(sc, mc, self.kv, self.block_size) if sc.enabled else None
+        self.pipeline = None
+        if self._use_pipeline():
+            host = self.sparse.host
+            self.pipeline = LookaheadPipeline(
+                sc, mc, self.kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
+                summary_blocks=host.num_items // (mc.num_layers * self.num_kv_heads), block_size=self.block_size)
+            self.sparse.pipeline = self.pipeline
+        self.pipeline_steps: dict[int, SparseDecodeStep] = {}  # per batch bucket, captured on first use
         self.pending_conversions: list[tuple[Sequence, torch.Tensor]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not cfg.enforce_eager:
@@ -73,6 +83,24 @@ class ModelRunner:
         model.load_weights(iter_weights(self.source, self.dtype, device=self.device))
         return model.eval().requires_grad_(False)
 
+    def _use_pipeline(self) -> bool:
+        """Sparse decode runs through the batched pipeline (DESIGN §3: GPU-resident state, stages
+        on side streams, one CUDA graph per step) on CUDA; the in-line per-request path stays for
+        the oracle and on-demand drafters and as the reference on CPU."""
+        mode = self.cfg.sparse_pipeline
+        if self.sparse is None or mode == "off":
+            return False
+        return mode == "on" or (self.device.type == "cuda" and self.cfg.drafter not in ("oracle", "ondemand"))
+
+    def _pipeline_reserve(self) -> int:
+        """GPU bytes the pipeline's summary arena will take (one min and max per host block)."""
+        sc = self.cfg.sparse_config()
+        if not sc.enabled or not (self.cfg.sparse_pipeline == "on" or (self.device.type == "cuda" and
+                                  self.cfg.sparse_pipeline == "auto")):
+            return 0
+        item = 2 * self.cfg.block_size * self.model_config.head_dim * self.dtype.itemsize
+        return int(sc.host_kv_gb * 2**30) // item * item // self.cfg.block_size
+
     @property
     def kv_bytes_per_page(self) -> int:
         return self.model_config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
@@ -81,7 +109,7 @@ class ModelRunner:
         if self.cfg.kv_cache_gb is not None:
             budget = self.cfg.kv_cache_gb * 2**30
         elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+            budget = self._cuda_kv_budget() - self._pipeline_reserve()
         else:
             budget = CPU_DEFAULT_KV_GB * 2**30
         # Never more than every sequence at full length needs.
@@ -257,6 +285,8 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_caches, meta)[rows]
             sampling_seqs = [s for s, n in zip(batch.seqs, batch.num_tokens)
                              if s.num_cached_tokens + n == s.num_tokens]
+        elif self.pipeline is not None and any(s.sparse is not None for s in batch.seqs):
+            return self.run_with_pipeline(batch.seqs)
         elif self.needs_sparse_step(batch.seqs):
             return self.run_sparse_decode(batch.seqs)
         else:
@@ -269,6 +299,54 @@ class ModelRunner:
                             [s.generator for s in sampling_seqs]).tolist()
         by_seq = {id(s): t for s, t in zip(sampling_seqs, tokens)}
         return [by_seq.get(id(s)) for s in batch.seqs]
+
+    def run_with_pipeline(self, seqs: list[Sequence]) -> list[int]:
+        """Sparse requests step through the pipeline; dense ones (if any) through the dense path."""
+        sparse = [s for s in seqs if s.sparse is not None]
+        dense = [s for s in seqs if s.sparse is None]
+        tokens = {}
+        if dense:
+            if self.needs_sparse_step(dense):  # one of them converts after this step
+                got = self.run_sparse_decode(dense)
+            else:
+                got = sample(self.model.compute_logits(self.run_decode(dense)), [s.params for s in dense],
+                             [s.generator for s in dense]).tolist()
+            tokens.update(zip(map(id, dense), got))
+        tokens.update(zip(map(id, sparse), self.run_pipeline_decode(sparse)))
+        return [tokens[id(s)] for s in seqs]
+
+    def run_pipeline_decode(self, seqs: list[Sequence]) -> list[int]:
+        """One step of the sparse requests: the pipeline's used rows run as one bucket (rows of
+        requests not in this batch, and padding, are inactive: they write and fetch nothing)."""
+        p, dev = self.pipeline, self.device
+        use_graph = dev.type == "cuda" and not self.cfg.enforce_eager
+        n = p.num_rows
+        bucket = next((b for b in self._graph_buckets() if b >= n), n) if use_graph else n
+        step = self.pipeline_steps.get(bucket)
+        if step is None:
+            step = self.pipeline_steps[bucket] = SparseDecodeStep(
+                self.model, self.kv_caches, p, self.model_config.max_position_embeddings, use_graph, rows=bucket)
+        ids = [0] * (2 * bucket)
+        active = [False] * bucket
+        for s in seqs:
+            r, tok, draft = s.sparse.row, s.token_ids[-1], s.sparse.draft
+            ids[2 * r], ids[2 * r + 1] = tok, draft if draft is not None else tok
+            active[r] = True
+        p.active[:bucket].copy_(torch.tensor(active))
+        hidden = step.run(torch.tensor(ids, device=dev))
+        rows = torch.tensor([s.sparse.row for s in seqs], device=dev)
+        logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
+        tokens = sample(logits[0::2], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        draft_argmax = logits[1::2].argmax(-1).tolist()
+        drafter = self.sparse.cfg.drafter
+        for s, tok, guess in zip(seqs, tokens, draft_argmax):
+            ws = s.sparse
+            ws.stats.steps += 1
+            if drafter in USES_DRAFT_TOKEN:
+                ws.stats.drafts += 1
+                ws.stats.drafts_accepted += int(ws.draft == tok)
+            ws.draft = next_draft(drafter, s.token_ids + [tok], ws.draft, tok, guess)
+        return tokens
 
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         ids, positions, meta = self.prepare_decode(seqs)

@@ -97,6 +97,8 @@ class Scheduler:
         """Recompute-style preemption: drop the pages, queue the tokens again."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if self.sparse is not None:
+            self.sparse.leave_pipeline(seq)
         seq.sparse = None  # recomputed dense, converted again (its host extent stays reserved)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--fetch-all", action="store_true", help="no cap (fetch ratio 1.0)")
     sp.add_argument("--drafter", default="self", help="self | ngram | prev | oracle | ondemand")
     sp.add_argument("--host-kv-gb", type=float, default=4.0)
+    sp.add_argument("--sparse-pipeline", default="auto", choices=["auto", "on", "off"],
+                    help="batched lookahead pipeline in CUDA graphs (auto: on CUDA for self, ngram, prev); "
+                         "off: the in-line per-request path")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -44,4 +47,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, sparse=args.sparse, top_k_blocks=args.top_k_blocks,
         sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
         sparse_threshold=args.sparse_threshold, fetch_ratio=1.0 if args.fetch_all else args.fetch_ratio,
-        drafter=args.drafter, host_kv_gb=args.host_kv_gb)
+        drafter=args.drafter, host_kv_gb=args.host_kv_gb, sparse_pipeline=args.sparse_pipeline)

@@ -14,22 +14,25 @@ from oasiskv.sparse.pipeline import LookaheadPipeline
 
 class SparseDecodeStep:
     def __init__(self, model, kv_caches: list[torch.Tensor], pipeline: LookaheadPipeline,
-                 max_position: int, use_graph: bool):
+                 max_position: int, use_graph: bool, rows: int | None = None):
+        """rows: the step runs over the pipeline's first `rows` rows (a batch-size bucket)."""
         p = self.pipeline = pipeline
+        self.rows = rows or p.R
         self.model, self.kv_caches, self.max_position = model, kv_caches, max_position
-        self.ids = torch.zeros(p.R * 2, dtype=torch.long, device=p.device)
+        self.ids = torch.zeros(self.rows * 2, dtype=torch.long, device=p.device)
         self.graph = None
         if use_graph:
             self._capture()
 
     @torch.inference_mode()
     def _forward(self) -> torch.Tensor:
-        p, R, H = self.pipeline, self.pipeline.R, self.pipeline.H
+        p, R, H = self.pipeline, self.rows, self.pipeline.H
+        p.B = R
         if p.timing is not None:
             p.timing.start.record()
         p.step += 1
         tables, lens, slots, offsets = p.step_tables()
-        n = p.cached.long()
+        n = p.cached[:R].long()
         positions = torch.stack([n, (n + 1).clamp_max(self.max_position - 1)], 1).view(-1)
         meta = AttentionMetadata(
             write_slots=torch.stack([slots, torch.full_like(slots, -1)], 1).view(R * 2, H),
@@ -37,7 +40,7 @@ class SparseDecodeStep:
             slot_tables=tables, cache_lens=lens, query_len=2, hooks=p)
         hidden = self.model(self.ids, positions, self.kv_caches, meta)
         p.join()
-        p.cached += p.active.int()  # the token is in the cache now
+        p.cached[:R] += p.active[:R].int()  # the token is in the cache now
         return hidden
 
     def _capture(self) -> None:
@@ -45,7 +48,7 @@ class SparseDecodeStep:
         # Warm-up (compiles the kernels outside the capture) with every row inactive, so it
         # writes no KV, predicts nothing and moves nothing: the state stays as the caller set it.
         active, step = p.active.clone(), p.step.clone()
-        p.active.fill_(False)
+        p.active.fill_(False)  # (rows in use by running requests are untouched too)
         self._forward()
         torch.cuda.synchronize()
         p.active.copy_(active)
@@ -57,7 +60,7 @@ class SparseDecodeStep:
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: [R*2] (token, draft) per row -> hidden states [R*2, hidden]."""
+        """ids: [rows*2] (token, draft) per row -> hidden states [rows*2, hidden]."""
         self.ids.copy_(ids, non_blocking=True)
         if self.graph is None:
             return self._forward()

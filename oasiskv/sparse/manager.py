@@ -56,6 +56,7 @@ class SparseManager:
         # Read-only callbacks (layer, q, hooks) after each layer's sparse step work; evaluations
         # (oasiskv.eval.agreement) record predictions through them without touching the step.
         self.observers: list = []
+        self.pipeline = None  # LookaheadPipeline, when the engine decodes sparse through it
 
     # ---- admission (scheduler side) -------------------------------------------------
     def max_tokens(self, seq, max_model_len: int) -> int:
@@ -76,9 +77,16 @@ class SparseManager:
         return extent is not None
 
     def release(self, seq) -> None:
+        """The request is done: its pipeline row (counters kept in its stats) and host extent go."""
+        self.leave_pipeline(seq)
         if getattr(seq, "host_extent", None) is not None:
             self.host.free(seq.request_id)
             seq.host_extent = None
+
+    def leave_pipeline(self, seq) -> None:
+        ws = getattr(seq, "sparse", None)
+        if ws is not None and ws.row is not None:
+            ws.stats.absorb(self.pipeline.release(ws), self.item_bytes)
 
     def should_convert(self, seq, cached_after_step: int) -> bool:
         return seq.sparse is None and getattr(seq, "host_extent", None) is not None \
@@ -130,6 +138,8 @@ class SparseManager:
             dst = torch.tensor(new_pages, device=self.device)[p_idx.to(self.device)] * H + h_idx.to(self.device)
             self.kv[layer][dst] = self.kv[layer][src]
         seq.sparse = ws
+        if self.pipeline is not None:
+            self.pipeline.adopt(ws, n)
 
     # ---- the three stages -----------------------------------------------------------
     def predict(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int) -> Prediction:

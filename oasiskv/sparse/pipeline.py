@@ -51,6 +51,8 @@ class LookaheadPipeline:
         self.L, self.H, self.D, self.G = mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.group_size
         self.S, self.K, self.W = cfg.sink_blocks, cfg.top_k_blocks, cfg.window_blocks
         self.P, self.C, self.R = cfg.working_set_blocks, cfg.fetch_cap, max_rows
+        self.B = max_rows  # rows a step runs over: the first B (a graph bucket); set per step
+        self.owners: list = []  # the WorkingSet in each used row; used rows are 0 .. len-1
         self.max_blocks = max_blocks
         self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
         self.transfer_programs = transfer_programs
@@ -104,14 +106,61 @@ class LookaheadPipeline:
         self.last[:, rows] = -1
         self.stats[rows] = 0
 
+    @property
+    def num_rows(self) -> int:
+        return len(self.owners)
+
+    def adopt(self, ws, cached: int) -> None:
+        """Take a just-converted request (its WorkingSet as `SparseManager.convert` built it) into
+        the next free row: its working set, LRU stamps and summaries move to the batched state.
+        The summaries live in one arena addressed like the host pool: extents are whole
+        [layer][block][head] ranges, so start // (L * Hkv) is a free block range of its own."""
+        row = len(self.owners)
+        if row >= self.R:
+            raise RuntimeError(f"more than {self.R} sparse requests at once")
+        ext, S, K, H = ws.extent, self.S, self.K, self.H
+        offset = ext.start // (self.L * H)
+        self.bind(row, ws.pages, ext, offset)
+        rows = slice(row * H, (row + 1) * H)
+        self.resident[:, rows] = ws.blocks[:, :, S:S + K].to(self.device)
+        # Conversion stamped its blocks with the in-line path's step; restamp them with ours.
+        self.last[:, rows] = torch.where(ws.last_selected.to(self.device) >= 0, self.step, -1).int()
+        self.kmin[:, offset:offset + ext.max_blocks] = ws.kmin
+        self.kmax[:, offset:offset + ext.max_blocks] = ws.kmax
+        self.cached[row] = cached
+        self.active[row] = False
+        ws.blocks = ws.last_selected = ws.kmin = ws.kmax = None  # the pipeline holds them now
+        ws.row = row
+        self.owners.append(ws)
+
+    def release(self, ws) -> list[int]:
+        """Free the request's row; the last used row moves into it, so used rows stay a prefix.
+        Returns the row's counters (hits, missed, admitted, evicted) summed over heads (a sync)."""
+        row, last, H = ws.row, len(self.owners) - 1, self.H
+        counts = self.stats[row * H:(row + 1) * H].sum(0).tolist()
+        if row != last:
+            src, dst = slice(last * H, (last + 1) * H), slice(row * H, (row + 1) * H)
+            for t in (self.resident, self.last):
+                t[:, dst] = t[:, src]
+            self.stats[dst] = self.stats[src]
+            for t in (self.pages, self.summary_offset, self.extent_start, self.extent_blocks, self.cached):
+                t[row] = t[last]
+            moved = self.owners[last]
+            moved.row = row
+            self.owners[row] = moved
+        self.active[last] = False
+        self.owners.pop()
+        ws.row = None
+        return counts
+
     # ---- the foreground's tables, from the state alone ---------------------------------
     def step_tables(self):
         """For the step that adds token number cached[r] to each row: slot tables [L, R, H, P]
         (valid slots first: sinks, dynamic, full window blocks oldest first, the partial block
         last, as the decode kernel walks them), cached-token counts [L, R, H], and where the new
         token's K/V goes: slots [R, H] (-1 for inactive rows) and offsets [R]."""
-        S, K, W, bs, H, L, R = self.S, self.K, self.W, self.bs, self.H, self.L, self.R
-        n = self.cached.long()
+        S, K, W, bs, H, L, R = self.S, self.K, self.W, self.bs, self.H, self.L, self.B
+        n, active, pages = self.cached[:R].long(), self.active[:R], self.pages[:R]
         cur, partial = n // bs, n % bs
         win = (cur - W + 1).clamp_min(S)
         j = torch.arange(W, device=self.device)
@@ -119,27 +168,27 @@ class LookaheadPipeline:
         filled = (block_at < cur[:, None]) | ((block_at == cur[:, None]) & (partial[:, None] > 0))
         wvalid = (block_at >= win[:, None]) & filled
         wkey = torch.where(wvalid, S + K + block_at - win[:, None], _LAST)  # [R, W]
-        dkey = torch.where(self.resident.view(L, R, H, K) >= 0,
+        dkey = torch.where(self.resident[:, :R * H].view(L, R, H, K) >= 0,
                            S + torch.arange(K, device=self.device, dtype=torch.long), _LAST)
         skey = torch.arange(S, device=self.device, dtype=torch.long)
         key = torch.cat([skey.expand(L, R, H, S), dkey, wkey[None, :, None, :].expand(L, R, H, W)], -1)
         key, order = key.sort(-1)
-        pages = self.pages.long()[None, :, None, :].expand(L, R, H, self.P).gather(-1, order)
+        slot_pages = pages.long()[None, :, None, :].expand(L, R, H, self.P).gather(-1, order)
         heads = torch.arange(H, device=self.device)
-        tables = (pages * H + heads[None, None, :, None]).int()
+        tables = (slot_pages * H + heads[None, None, :, None]).int()
         blocks = (key < _LAST).sum(-1) - (partial > 0).long()[None, :, None]
-        lens = torch.where(self.active[None, :, None], blocks * bs + partial[None, :, None], 0).int()
-        page = self.pages.long().gather(1, (S + K + cur % W)[:, None])  # [R, 1]
-        write_slots = torch.where(self.active[:, None], page * H + heads[None, :], -1).int()
+        lens = torch.where(active[None, :, None], blocks * bs + partial[None, :, None], 0).int()
+        page = pages.long().gather(1, (S + K + cur % W)[:, None])  # [R, 1]
+        write_slots = torch.where(active[:, None], page * H + heads[None, :], -1).int()
         # For the stages: the next step adds token n + 1; sinks and window are resident, so
         # never predicted. And whether this token completes its block (write-through).
-        self.next_blocks.copy_(torch.where(self.active, (n + 1) // bs + 1, 0))
-        self.next_window.copy_(((n + 1) // bs - W + 1).clamp_min(S))
-        self.completes.copy_(self.active & ((n + 1) % bs == 0))
-        self.window_slot.copy_(page[:, 0] * H)
-        self.block.copy_(cur)
-        self.summary_block.copy_(torch.where(self.active, self.summary_offset + cur, -1))
-        self.first_in_block.copy_(partial == 0)
+        self.next_blocks[:R].copy_(torch.where(active, (n + 1) // bs + 1, 0))
+        self.next_window[:R].copy_(((n + 1) // bs - W + 1).clamp_min(S))
+        self.completes[:R].copy_(active & ((n + 1) % bs == 0))
+        self.window_slot[:R].copy_(page[:, 0] * H)
+        self.block[:R].copy_(cur)
+        self.summary_block[:R].copy_(torch.where(active, self.summary_offset[:R] + cur, -1))
+        self.first_in_block[:R].copy_(partial == 0)
         return tables, lens, write_slots, partial.int()
 
     # ---- hooks called by the attention layer ----------------------------------------
@@ -148,12 +197,12 @@ class LookaheadPipeline:
 
     def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
         """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft)."""
-        R = self.R
+        R = self.B
         key = k.view(R, 2, self.H, self.D)[:, 0]
         self.update_summaries(layer, key)
         if not self.prefetch:
             return
-        self.draft_q[layer].copy_(q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0])
+        self.draft_q[layer, :R].copy_(q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0])
         if not self.background:
             self.predict(layer)
             self.select(layer)
@@ -193,29 +242,34 @@ class LookaheadPipeline:
 
     # ---- the stages ----------------------------------------------------------------
     def update_summaries(self, layer: int, key: torch.Tensor) -> None:
-        """Fold each active row's new key [R, Hkv, D] into its block's min/max."""
-        fold_keys_(self.kmin[layer], self.kmax[layer], self.summary_block, key, self.first_in_block)
+        """Fold each active row's new key [B, Hkv, D] into its block's min/max."""
+        B = self.B
+        fold_keys_(self.kmin[layer], self.kmax[layer], self.summary_block[:B], key, self.first_in_block[:B])
 
     def predict(self, layer: int) -> None:
-        ids, _ = score_topk(self.draft_q[layer], self.kmin[layer], self.kmax[layer],
-                            self.summary_offset, self.next_blocks, self.G, self.K,
-                            max_blocks=self.max_blocks, num_sink=self.S, window_start=self.next_window)
-        self.predicted[layer].copy_(ids.view(self.R * self.H, self.K))
+        B, H = self.B, self.H
+        ids, _ = score_topk(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer],
+                            self.summary_offset[:B], self.next_blocks[:B], self.G, self.K,
+                            max_blocks=self.max_blocks, num_sink=self.S, window_start=self.next_window[:B])
+        self.predicted[layer, :B * H].copy_(ids.view(B * H, self.K))
 
     def select(self, layer: int) -> None:
-        capped_eviction_(self.resident[layer], self.last[layer], self.predicted[layer], self.S,
-                         self.next_window, self.H, self.C, self.step, self.admit_blocks[layer],
-                         self.admit_slots[layer], self.stats)
+        B, H = self.B, self.H
+        capped_eviction_(self.resident[layer, :B * H], self.last[layer, :B * H], self.predicted[layer, :B * H],
+                         self.S, self.next_window[:B], H, self.C, self.step, self.admit_blocks[layer, :B * H],
+                         self.admit_slots[layer, :B * H], self.stats[:B * H])
 
     def transfer(self, layer: int) -> None:
         """Admitted items host -> their GPU slots (addresses computed in the copy kernel)."""
-        fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer],
-                       self.admit_slots[layer], self.pages, self.extent_start, self.extent_blocks,
-                       self.H, self.S, self.transfer_programs)
+        B, H = self.B, self.H
+        fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer, :B * H],
+                       self.admit_slots[layer, :B * H], self.pages[:B], self.extent_start[:B],
+                       self.extent_blocks[:B], H, self.S, self.transfer_programs)
 
     def write_through(self) -> None:
-        write_through(self.kv, self.host_items, self.completes, self.window_slot, self.extent_start,
-                      self.extent_blocks, self.block, self.H, self.transfer_programs)
+        B = self.B
+        write_through(self.kv, self.host_items, self.completes[:B], self.window_slot[:B], self.extent_start[:B],
+                      self.extent_blocks[:B], self.block[:B], self.H, self.transfer_programs)
 
     @property
     def fetched_bytes(self) -> int:

@@ -29,6 +29,15 @@ class SparseStats:
     drafts: int = 0  # draft tokens proposed
     drafts_accepted: int = 0  # ... that equalled the real next token
 
+    def absorb(self, counts: list[int], item_bytes: int) -> None:
+        """Add a pipeline row's device counters (hits, missed, admitted, evicted)."""
+        hits, missed, admitted, evicted = counts
+        self.predicted += hits + missed
+        self.hits += hits
+        self.admitted += admitted
+        self.evicted += evicted
+        self.bytes_to_device += admitted * item_bytes
+
     def as_dict(self, resident_blocks: int, total_blocks: int) -> dict:
         return {
             "sparse_steps": self.steps,
@@ -49,12 +58,15 @@ class WorkingSet:
     cfg: SparseConfig
     pages: list[int]  # P GPU pages
     extent: object  # the request's HostExtent
-    blocks: torch.Tensor  # [L, Hkv, P] int32 logical block per position, -1 empty
-    last_selected: torch.Tensor  # [L, Hkv, K] int64
-    kmin: torch.Tensor  # [L, max_blocks, Hkv, D] summaries
-    kmax: torch.Tensor
+    # In-line path: the working set is here. Pipeline path: these move to its batched state
+    # (LookaheadPipeline.adopt) and are None; `row` says where.
+    blocks: torch.Tensor | None  # [L, Hkv, P] int32 logical block per position, -1 empty
+    last_selected: torch.Tensor | None  # [L, Hkv, K] int64
+    kmin: torch.Tensor | None  # [L, max_blocks, Hkv, D] summaries
+    kmax: torch.Tensor | None
     draft: int | None = None  # the lookahead token proposed for the next step
     stats: SparseStats = field(default_factory=SparseStats)
+    row: int | None = None  # its row of the LookaheadPipeline, when that path runs it
 
     @property
     def dynamic(self) -> slice:
