@@ -67,7 +67,7 @@ def run_interpreter_cases() -> dict[str, float]:
         for s, d in zip(src_idx.tolist(), dst_idx.tolist()):
             if s >= 0 and d >= 0:
                 want[d] = src[s]
-        _copy_items_triton(src, dst, src_idx, dst_idx, num_programs=2)  # each program loops over items
+        _copy_items_triton(src, dst, src_idx, dst_idx, 2)  # each program loops over items
         errors["copy_" + name] = (dst.float() - want.float()).abs().max().item()
     from oasiskv.sparse.summaries import _fold_keys_kernel, update_block_minmax
     for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):

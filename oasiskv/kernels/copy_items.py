@@ -56,33 +56,43 @@ def copy_items(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_
     dst[d.to(dst.device)] = src[s.to(src.device)].to(dst.device)
 
 
-def _copy_items_triton(src, dst, src_idx, dst_idx, num_programs, items_per_load: int = 4):
+ITEMS_PER_LOAD = 4  # whole items each program moves per iteration
+
+
+def _launch(kernel, n: int, num_programs: int, item: int, *args) -> None:
+    """Persistent grid of at most `num_programs` programs over n work items."""
+    if n:
+        kernel[(max(1, min(num_programs, triton.cdiv(n, ITEMS_PER_LOAD))),)](
+            *args, ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=ITEMS_PER_LOAD, num_warps=8)
+
+
+def _copy_items_triton(src, dst, src_idx, dst_idx, num_programs):
     assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
     item = src[0].numel() if src.shape[0] else dst[0].numel()
     n = src_idx.numel()
-    if n:
-        grid = (max(1, min(num_programs, triton.cdiv(n, items_per_load))),)
-        _copy_items_kernel[grid](src, dst, src_idx, dst_idx, n, ITEM=item,
-                                 ITEMP=triton.next_power_of_2(item), ITEMS=items_per_load, num_warps=8)
+    _launch(_copy_items_kernel, n, num_programs, item, src, dst, src_idx, dst_idx, n)
 
 
 if triton is not None:
 
     @triton.jit
+    def _move(src_ptr, dst_ptr, s, d, ok, ITEM: tl.constexpr, ITEMP: tl.constexpr):
+        """Items src[s[i]] -> dst[d[i]] where ok[i], all ITEMS of them with one load: the reads
+        cross PCIe with microseconds of latency, so a program must keep many bytes in flight
+        to be worth its SM."""
+        offs = tl.arange(0, ITEMP)
+        m = ok[:, None] & (offs < ITEM)[None, :]
+        x = tl.load(src_ptr + s[:, None] * ITEM + offs[None, :], mask=m)
+        tl.store(dst_ptr + d[:, None] * ITEM + offs[None, :], x, mask=m)
+
+    @triton.jit
     def _copy_items_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n,
                            ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
-        # Each iteration moves ITEMS whole items with one load: the reads cross PCIe with
-        # microseconds of latency, so a program must keep many bytes in flight to be worth its SM.
-        pid = tl.program_id(0)
-        progs = tl.num_programs(0)
-        offs = tl.arange(0, ITEMP)
-        for i0 in range(pid * ITEMS, n, progs * ITEMS):
+        for i0 in range(tl.program_id(0) * ITEMS, n, tl.num_programs(0) * ITEMS):
             j = i0 + tl.arange(0, ITEMS)
             s = tl.load(src_idx_ptr + j, mask=j < n, other=-1).to(tl.int64)
             d = tl.load(dst_idx_ptr + j, mask=j < n, other=-1).to(tl.int64)
-            m = ((s >= 0) & (d >= 0))[:, None] & (offs < ITEM)[None, :]
-            x = tl.load(src_ptr + s[:, None] * ITEM + offs[None, :], mask=m)
-            tl.store(dst_ptr + d[:, None] * ITEM + offs[None, :], x, mask=m)
+            _move(src_ptr, dst_ptr, s, d, (s >= 0) & (d >= 0), ITEM, ITEMP)
 
 
 # --------------------------------------------------------------------------- sparse decode forms
@@ -99,13 +109,9 @@ def fetch_admitted(host: torch.Tensor, kv_layer: torch.Tensor, layer: int, admit
     On CUDA the addresses are computed inside the copy kernel: one launch per layer."""
     RH, C = admit_blocks.shape
     if kv_layer.is_cuda and triton is not None:
-        if RH * C:
-            item = kv_layer[0].numel()
-            items = 4
-            _fetch_kernel[(max(1, min(num_programs, triton.cdiv(RH * C, items))),)](
-                host, kv_layer, admit_blocks, admit_slots, pages, extent_start, extent_blocks,
-                layer, RH * C, C, num_heads, pages.shape[1], num_sink,
-                ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=items, num_warps=8)
+        _launch(_fetch_kernel, RH * C, num_programs, kv_layer[0].numel(), host, kv_layer, admit_blocks,
+                admit_slots, pages, extent_start, extent_blocks, layer, RH * C, C, num_heads,
+                pages.shape[1], num_sink)
         return
     row = torch.arange(RH, device=admit_blocks.device)
     r, h = row // num_heads, row % num_heads
@@ -127,13 +133,9 @@ def write_through(kv: torch.Tensor, host: torch.Tensor, completed: torch.Tensor,
     L, num_slots = kv.shape[0], kv.shape[1]
     R = completed.shape[0]
     if kv.is_cuda and triton is not None:
-        if L * R * num_heads:
-            item = kv[0, 0].numel()
-            items = 4
-            _write_through_kernel[(max(1, min(num_programs, triton.cdiv(L * R * num_heads, items))),)](
-                kv, host, completed, window_slot, extent_start, extent_blocks, block,
-                L * R * num_heads, R, num_heads, num_slots,
-                ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=items, num_warps=8)
+        n = L * R * num_heads
+        _launch(_write_through_kernel, n, num_programs, kv[0, 0].numel(), kv, host, completed, window_slot,
+                extent_start, extent_blocks, block, n, R, num_heads, num_slots)
         return
     layer = torch.arange(L, device=kv.device)[:, None, None]
     h = torch.arange(num_heads, device=kv.device)[None, None, :]
@@ -150,34 +152,23 @@ if triton is not None:
     def _fetch_kernel(host_ptr, kv_ptr, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
                       layer, n, C, H, P, S,
                       ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
-        pid = tl.program_id(0)
-        progs = tl.num_programs(0)
-        offs = tl.arange(0, ITEMP)
-        for i0 in range(pid * ITEMS, n, progs * ITEMS):
+        for i0 in range(tl.program_id(0) * ITEMS, n, tl.num_programs(0) * ITEMS):
             w = i0 + tl.arange(0, ITEMS)
             blk = tl.load(blk_ptr + w, mask=w < n, other=-1).to(tl.int64)
             ok = blk >= 0
             slot = tl.load(slot_ptr + w, mask=ok, other=0)
-            row = w // C
-            r = row // H
-            h = (row % H).to(tl.int64)
+            r = w // C // H
+            h = (w // C % H).to(tl.int64)
             page = tl.load(pages_ptr + r * P + S + slot, mask=ok, other=0).to(tl.int64)
             start = tl.load(ext_start_ptr + r, mask=ok, other=0)
             nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
-            src = start + (layer * nblk + blk) * H + h
-            dst = page * H + h
-            m = ok[:, None] & (offs < ITEM)[None, :]
-            x = tl.load(host_ptr + src[:, None] * ITEM + offs[None, :], mask=m)
-            tl.store(kv_ptr + dst[:, None] * ITEM + offs[None, :], x, mask=m)
+            _move(host_ptr, kv_ptr, start + (layer * nblk + blk) * H + h, page * H + h, ok, ITEM, ITEMP)
 
     @triton.jit
     def _write_through_kernel(kv_ptr, host_ptr, done_ptr, wslot_ptr, ext_start_ptr, ext_blocks_ptr,
                               block_ptr, n, R, H, num_slots,
                               ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
-        pid = tl.program_id(0)
-        progs = tl.num_programs(0)
-        offs = tl.arange(0, ITEMP)
-        for i0 in range(pid * ITEMS, n, progs * ITEMS):
+        for i0 in range(tl.program_id(0) * ITEMS, n, tl.num_programs(0) * ITEMS):
             w = i0 + tl.arange(0, ITEMS)
             layer = (w // (R * H)).to(tl.int64)
             r = (w // H) % R
@@ -187,8 +178,5 @@ if triton is not None:
             start = tl.load(ext_start_ptr + r, mask=ok, other=0)
             nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
             blk = tl.load(block_ptr + r, mask=ok, other=0).to(tl.int64)
-            src = layer * num_slots + wslot + h
-            dst = start + (layer * nblk + blk) * H + h
-            m = ok[:, None] & (offs < ITEM)[None, :]
-            x = tl.load(kv_ptr + src[:, None] * ITEM + offs[None, :], mask=m)
-            tl.store(host_ptr + dst[:, None] * ITEM + offs[None, :], x, mask=m)
+            _move(kv_ptr, host_ptr, layer * num_slots + wslot + h, start + (layer * nblk + blk) * H + h,
+                  ok, ITEM, ITEMP)
