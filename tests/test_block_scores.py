@@ -12,9 +12,9 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
-from oasiskv.sparse.block_scores import (COMBINES, combine_heads, head_bounds_ref,
-                                         score_blocks_ref, score_blocks_torch, score_topk,
-                                         topk_blocks)
+from oasiskv.sparse.block_scores import (COMBINES, RANGE_WEIGHT, combine_heads,
+                                         head_bounds_ref, score_blocks_ref, score_blocks_torch,
+                                         score_topk, topk_blocks)
 from oasiskv.sparse.summaries import block_minmax
 
 # Bounds are float32 sums of 2·D products in every path; only the order differs, so the gap
@@ -67,12 +67,12 @@ def topk_agrees(ids, ref_scores, k, rel_tol=1e-4):
     return True
 
 
-def test_quest_bound_is_upper_bound_of_each_heads_logit():
-    """For every block and query head: bound >= max over its tokens of q_g·k, and the formula
-    of DESIGN §3 step 3 term by term."""
+def test_range_weight_one_is_the_quest_bound_of_each_heads_logit():
+    """At α = 1, for every block and query head: score >= max over its tokens of q_g·k, and the
+    formula of DESIGN §3 step 3 term by term."""
     bs, Hkv, G, D = 4, 2, 3, 16
     q, kmin, kmax, off, nb, keys = make_inputs(3, Hkv, G, D, [5, 1, 7], torch.float32, bs)
-    u = head_bounds_ref(q, kmin, kmax, off, nb, G)  # [R, Hq, M]
+    u = head_bounds_ref(q, kmin, kmax, off, nb, G, range_weight=1.0)  # [R, Hq, M]
     for r in range(3):
         for b in range(int(nb[r])):
             tok = keys[(int(off[r]) + b) * bs:(int(off[r]) + b + 1) * bs]  # [bs, Hkv, D]
@@ -84,6 +84,16 @@ def test_quest_bound_is_upper_bound_of_each_heads_logit():
                 lit = sum(max(q[r, head, i] * kmax[blk, h, i], q[r, head, i] * kmin[blk, h, i]).item()
                           for i in range(D))
                 assert abs(lit - u[r, head, b].item()) < 1e-3
+
+
+def test_range_weight_zero_is_the_box_centre_and_scores_are_linear_in_it():
+    q, kmin, kmax, off, nb, _ = make_inputs(2, 2, 3, 16, [6, 4], torch.float32)
+    at = lambda a: head_bounds_ref(q, kmin, kmax, off, nb, 3, 6, range_weight=a)
+    centre = ((kmin + kmax) / 2)[:6]  # sequence 0's blocks
+    want = torch.einsum("hgd,bhd->hgb", q[0].view(2, 3, 16), centre).reshape(6, 6)
+    assert torch.allclose(at(0.0)[0], want, atol=1e-4)
+    assert torch.allclose(at(RANGE_WEIGHT), (1 - RANGE_WEIGHT) * at(0.0) + RANGE_WEIGHT * at(1.0),
+                          atol=1e-4)
 
 
 def test_combines():
@@ -124,10 +134,10 @@ def test_shifted_max_keeps_a_sharp_heads_block():
 def test_torch_path_matches_ref(G, D, combine):
     q, kmin, kmax, off, nb, _ = make_inputs(4, 2, G, D, [9, 0, 1, 20], torch.float32, seed=G)
     ws = torch.tensor([7, 0, 1, 18])
-    for kw in [{}, dict(num_sink=1, window_start=ws)]:
+    for kw in [{}, dict(range_weight=1.0), dict(num_sink=1, window_start=ws)]:  # ref: the last
         ref = score_blocks_ref(q, kmin, kmax, off, nb, G, 24, combine=combine, **kw)
         out = score_blocks_torch(q, kmin, kmax, off, nb, G, 24, combine=combine, **kw)
-        scale = head_bounds_ref(q, kmin, kmax, off, nb, G, 24, **kw)
+        scale = head_bounds_ref(q, kmin, kmax, off, nb, G, 24, range_weight=1.0)
         assert ref.shape == (4, 2, 24) and ref.dtype == torch.float32
         assert abs_err(out, ref) < REL_TOL * finite_max(scale)
     assert torch.isneginf(ref[1]).all() and torch.isfinite(ref[3, :, 1:18]).all()
@@ -158,6 +168,7 @@ TRITON_CASES = {  # R, Hkv, G, D, num_blocks, dtype, extra kwargs
     "g4_d128_fp32": (3, 2, 4, 128, [17, 33, 8], torch.float32, {}),
     "g4_d128_fp16_sink_window": (2, 2, 4, 128, [30, 12], torch.float16,
                                  dict(num_sink=2, window_start=[27, 12])),
+    "g3_d64_fp32_quest_bound": (2, 2, 3, 64, [33, 9], torch.float32, dict(range_weight=1.0)),
 }
 MAX_BLOCKS, TILE, K = 40, 16, 6  # 3 tiles, the last partial
 

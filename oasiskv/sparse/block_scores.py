@@ -1,10 +1,18 @@
 """Block scoring from the compressed keys and per-(sequence, kv head) top-K (DESIGN §3 step 3).
 
-Each query head g of a kv group h gets the Quest upper bound of its logit q_g·k over block b:
+Each query head g of a kv group h scores block b from its per-dimension key box
+[kmin, kmax] = centre c ± half-range r:
 
-    u(b, g) = Σ_i max(q_gi · kmax_bhi, q_gi · kmin_bhi)
+    u(b, g) = Σ_i q_gi · c_bhi + α · |q_gi| · r_bhi
 
-and the group's G bounds are combined into one score per (block, kv head), by default
+With α = 1 this is the Quest upper bound of the head's logit over the block,
+Σ_i max(q_gi · kmax_bhi, q_gi · kmin_bhi); α = 0 is the logit of the box's centre. The default
+α = 0.5 (`RANGE_WEIGHT`) is measured (docs/accuracy.md): in D = 64 the range term dominates the
+bound (bounds ~200-330 where the true logits are <= 55 on passkey filler), so blocks of diverse
+tokens outrank the one a head really attends to; at α = 0.5 the needle blocks that the bound
+misses come back, and no case that the bound retrieves is lost.
+
+The group's G scores are combined into one score per (block, kv head), by default
 
     score(b, h) = max_{g in group h} ( u(b, g) - max_b' u(b', g) )     ("shifted_max")
 
@@ -15,10 +23,12 @@ bounds vary a lot from block to block drown out a head that points sharply at on
 passkey retrieval with SmolLM2-135M (docs/accuracy.md) that is exactly the needle block, ranked
 ~140th of 250 by the sum and first by the head that copies from it.
 
-Because kmax >= kmin elementwise, max(q·kmax, q·kmin) is q·kmax for q >= 0 and q·kmin for
-q < 0, so each head's bound is two D-vectors against the summaries:
+Because kmax >= kmin elementwise, each head's score is two D-vectors against the summaries:
 
-    u(b, g) = Σ_i max(q_gi, 0) · kmax_bhi + min(q_gi, 0) · kmin_bhi
+    u(b, g) = Σ_i a_gi · kmax_bhi + b_gi · kmin_bhi,
+    a = (1+α)/2 · max(q, 0) + (1-α)/2 · min(q, 0),   b = (1-α)/2 · max(q, 0) + (1+α)/2 · min(q, 0)
+
+(at α = 1: max(q, 0) against kmax, min(q, 0) against kmin, i.e. max(q·kmax, q·kmin)).
 
 On CUDA the bounds kernel loads each (block tile, kv head) of summaries once and computes the
 G heads' bounds from it (2·G·D multiply-adds per 4·D bytes in bf16: bandwidth-bound, one pass
@@ -44,7 +54,8 @@ except ImportError:  # CPU-only installs use the torch path
     triton = None
 
 NEG_INF = float("-inf")
-COMBINES = ("shifted_max", "sum")  # how the G per-head bounds of a kv group make one score
+COMBINES = ("shifted_max", "sum")  # how the G per-head scores of a kv group make one score
+RANGE_WEIGHT = 0.5  # α: weight of the box's half-range; 1 = the Quest upper bound
 
 
 def _scored_range(block_offsets, num_blocks, max_blocks, num_sink, window_start):
@@ -71,15 +82,24 @@ def combine_heads(bounds: torch.Tensor, group_size: int, combine: str = "shifted
     return (per - best).amax(2)
 
 
+def box_weights(q: torch.Tensor, range_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two vectors (a against kmax, b against kmin) of the module docstring."""
+    pos, neg = q.clamp_min(0), q.clamp_max(0)
+    wide, narrow = (1 + range_weight) / 2, (1 - range_weight) / 2
+    return wide * pos + narrow * neg, narrow * pos + wide * neg
+
+
 def head_bounds_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                     block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                     max_blocks: int | None = None, num_sink: int = 0,
-                    window_start: torch.Tensor | None = None) -> torch.Tensor:
-    """The Quest bound of every query head over every block, literally, in float32.
+                    window_start: torch.Tensor | None = None,
+                    range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
+    """Every query head's score of every block, literally (centre and half-range), in float32.
 
     q: [R, Hq, D] one draft query per sequence; kmin, kmax: [total_blocks, Hkv, D];
     block_offsets, num_blocks: [R] int, where each sequence's blocks start in the global tensor
     and how many it has; max_blocks: width of the output (default: num_blocks.max(), a host sync).
+    range_weight: α of the module docstring (1: the Quest bound).
     Returns [R, Hq, max_blocks] float32, -inf for b >= num_blocks, b < num_sink and
     b >= window_start (when given).
     """
@@ -95,7 +115,8 @@ def head_bounds_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     lo = kmin[idx].float()  # [R, M, Hkv, D]
     hi = kmax[idx].float()
     qg = q.float().view(R, 1, Hkv, G, D)
-    u = torch.maximum(qg * hi[:, :, :, None], qg * lo[:, :, :, None]).sum(-1)  # [R, M, Hkv, G]
+    centre, half = ((hi + lo) / 2)[:, :, :, None], ((hi - lo) / 2)[:, :, :, None]
+    u = (qg * centre + range_weight * qg.abs() * half).sum(-1)  # [R, M, Hkv, G]
     u = u.reshape(R, max_blocks, Hq).transpose(1, 2).contiguous()
     return u.masked_fill(~keep[:, None, :], NEG_INF)
 
@@ -104,10 +125,11 @@ def score_blocks_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                      block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                      max_blocks: int | None = None, num_sink: int = 0,
                      window_start: torch.Tensor | None = None,
-                     combine: str = "shifted_max") -> torch.Tensor:
+                     combine: str = "shifted_max",
+                     range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
     """[R, Hkv, max_blocks] float32: `head_bounds_ref` combined over each kv group."""
     u = head_bounds_ref(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
-                        num_sink, window_start)
+                        num_sink, window_start, range_weight)
     return combine_heads(u, group_size, combine)
 
 
@@ -115,14 +137,15 @@ def score_blocks_torch(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                        max_blocks: int, num_sink: int = 0,
                        window_start: torch.Tensor | None = None,
-                       combine: str = "shifted_max") -> torch.Tensor:
+                       combine: str = "shifted_max",
+                       range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
     """Same contract as `score_blocks_ref` via the two-vector identity (module docstring): one
     batched matmul instead of a [R, M, Hkv, G, D] temporary. The CPU path."""
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     keep = _scored_range(block_offsets, num_blocks, max_blocks, num_sink, window_start)
     qf = q.float().view(R, Hkv, group_size, D)
-    qv = torch.cat([qf.clamp_min(0), qf.clamp_max(0)], -1)  # [R, Hkv, G, 2D]
+    qv = torch.cat(box_weights(qf, range_weight), -1)  # [R, Hkv, G, 2D]
     b = torch.arange(max_blocks, device=q.device)
     idx = (block_offsets.long()[:, None] + b[None, :]).clamp(0, max(kmin.shape[0] - 1, 0))
     summ = torch.cat([kmax[idx], kmin[idx]], -1).float().permute(0, 2, 3, 1)  # [R, Hkv, 2D, M]
@@ -147,14 +170,16 @@ def score_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                k: int, max_blocks: int, num_sink: int = 0,
                window_start: torch.Tensor | None = None, *,
-               combine: str = "shifted_max") -> tuple[torch.Tensor, torch.Tensor]:
+               combine: str = "shifted_max",
+               range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted blocks of each (sequence, kv head): Triton on CUDA, torch otherwise.
     Returns (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32) as `topk_blocks`."""
     if q.is_cuda and triton is not None:
         return score_topk_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
-                                 max_blocks, num_sink, window_start, combine=combine)
+                                 max_blocks, num_sink, window_start, combine=combine,
+                                 range_weight=range_weight)
     s = score_blocks_torch(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
-                           num_sink, window_start, combine)
+                           num_sink, window_start, combine, range_weight)
     return topk_blocks(s, k)
 
 
@@ -166,7 +191,7 @@ if triton is not None:
     def _head_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
                             stride_qr, stride_qh, stride_kb, stride_kh,
                             stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_sink,
-                            G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                            wide, narrow, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BB: tl.constexpr, HAS_WS: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -186,7 +211,11 @@ if triton is not None:
         for g in tl.static_range(G):
             qh = h * G + g
             q = tl.load(q_ptr + r * stride_qr + qh * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-            u = tl.sum(hi * tl.maximum(q, 0.0)[None, :] + lo * tl.minimum(q, 0.0)[None, :], axis=1)
+            pos = tl.maximum(q, 0.0)
+            neg = tl.minimum(q, 0.0)
+            a = wide * pos + narrow * neg  # against kmax
+            c = narrow * pos + wide * neg  # against kmin
+            u = tl.sum(hi * a[None, :] + lo * c[None, :], axis=1)
             u = tl.where(keep, u, float("-inf"))
             tl.store(out_ptr + r * stride_or + qh * stride_oh + b, u, mask=b < max_blocks)
             # The tile's best bound per head: the combine takes the max over tiles.
@@ -224,7 +253,8 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        max_blocks: int, num_sink: int = 0,
                        window_start: torch.Tensor | None = None, block_tile: int = 64,
                        num_warps: int = 4, out: torch.Tensor | None = None,
-                       tile_max: torch.Tensor | None = None) -> torch.Tensor:
+                       tile_max: torch.Tensor | None = None,
+                       range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, block tiles); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
@@ -246,7 +276,7 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
-            max_blocks, num_sink,
+            max_blocks, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
             G=G, D=D, DP=triton.next_power_of_2(D), BB=block_tile,
             HAS_WS=window_start is not None, num_warps=num_warps)
     return out
@@ -257,7 +287,8 @@ def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                         max_blocks: int, num_sink: int = 0,
                         window_start: torch.Tensor | None = None, block_tile: int = 64,
                         num_warps: int = 4, out: torch.Tensor | None = None,
-                        combine: str = "shifted_max") -> torch.Tensor:
+                        combine: str = "shifted_max",
+                        range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
     """Scores [R, Hkv, max_blocks] float32 as `score_blocks_ref`: the bounds kernel (one pass
     over the summaries), then a combine kernel over its small outputs (4·G bytes per (block,
     kv head) and the per-tile maxima). Two launches, no host sync, CUDA-graph capturable."""
@@ -269,7 +300,8 @@ def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     u = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
-                       num_sink, window_start, block_tile, num_warps, out=u, tile_max=tile_max)
+                       num_sink, window_start, block_tile, num_warps, out=u, tile_max=tile_max,
+                       range_weight=range_weight)
     if out is None:
         out = torch.empty(R, Hkv, max_blocks, device=q.device, dtype=torch.float32)
     if R and max_blocks:
@@ -285,8 +317,8 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                       k: int, max_blocks: int, num_sink: int = 0,
                       window_start: torch.Tensor | None = None,
-                      block_tile: int = 64, combine: str = "shifted_max"
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_tile: int = 64, combine: str = "shifted_max",
+                      range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton scores (bounds, combine), then torch.topk over the [R, Hkv, max_blocks] float32
     scores.
 
@@ -295,5 +327,6 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     graph-capturable launch with sorted output; a fused kernel would need a cross-tile merge (a
     second pass anyway), as the shifted max needs every block's bound before any score is final."""
     s = score_blocks_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
-                            num_sink, window_start, block_tile, combine=combine)
+                            num_sink, window_start, block_tile, combine=combine,
+                            range_weight=range_weight)
     return topk_blocks(s, k)
