@@ -34,6 +34,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--transfer-programs", default="8",
                    help="programs (≈ SMs) of the host->GPU gather kernel; a comma list runs sparse once per value")
+    p.add_argument("--transfer-backend", default="uva",
+                   help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
+                        "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
     p.add_argument("--no-prefetch-run", action="store_true",
                    help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
                         "decode — nothing is fetched — but its time is the floor the pipeline adds to)")
@@ -116,7 +119,8 @@ class DecodeBench:
     # ---- sparse ---------------------------------------------------------------------
     @torch.inference_mode()
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
-                   transfer_programs: int | None = None, prefetch: bool = True) -> dict:
+                   transfer_programs: int | None = None, prefetch: bool = True,
+                   transfer_backend: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -134,7 +138,8 @@ class DecodeBench:
                                     f"host pool holds {host.num_items * host.item_bytes / 2**30:.0f} GiB")
             p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb,
                                   summary_blocks=batch * nb, block_size=bs,
-                                  transfer_programs=transfer_programs or _ints(self.args.transfer_programs)[0])
+                                  transfer_programs=transfer_programs or _ints(self.args.transfer_programs)[0],
+                                  transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
             p.prefetch = prefetch
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
@@ -172,7 +177,7 @@ class DecodeBench:
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
-                       transfer_programs=p.transfer_programs,
+                       transfer_programs=p.transfer_programs, transfer_backend=p.transfer_backend,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -300,8 +305,10 @@ def run_decode_bench(args) -> int:
                 if "dense" in modes:
                     record(bench.run_dense(batch, context))
                 if "sparse" in modes:
-                    for programs in _ints(args.transfer_programs):
-                        record(bench.run_sparse(batch, context, transfer_programs=programs))
+                    for backend in args.transfer_backend.split(","):
+                        for programs in _ints(args.transfer_programs) if backend == "uva" else [0]:
+                            record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                    transfer_backend=backend))
                     if args.no_prefetch_run:
                         record(bench.run_sparse(batch, context, prefetch=False))
     if args.fetch_ablation:
@@ -349,7 +356,7 @@ def print_row(r: dict) -> None:
     sp = r["mode"] == "sparse"
     mode = r["mode"] if r.get("prefetch", True) else "fg"
     print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
-          f"{r.get('transfer_programs', '') if sp else '':>3} "
+          f"{(r.get('transfer_programs') if r.get('transfer_backend') == 'uva' else 'dma') if sp else '':>3} "
           f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
           f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
           f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "

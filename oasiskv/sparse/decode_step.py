@@ -63,6 +63,10 @@ class SparseDecodeStep:
         """ids: [rows*2] (token, draft) per row -> hidden states [rows*2, hidden]."""
         self.ids.copy_(ids, non_blocking=True)
         if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        return self.hidden
+            hidden = self._forward()
+        else:
+            self.graph.replay()
+            hidden = self.hidden
+        if self.pipeline.transfer_backend == "dma" and self.pipeline.prefetch:
+            self.pipeline.transfer_on_host()
+        return hidden

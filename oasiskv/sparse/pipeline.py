@@ -36,12 +36,14 @@ from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.summaries import fold_keys_
 
 _LAST = 2 ** 30  # sort key of an invalid working-set position: after every valid one
+TRANSFER_BACKENDS = ("uva", "dma")
 
 
 class LookaheadPipeline:
     def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, host: HostKVPool,
                  max_rows: int, max_blocks: int, summary_blocks: int, block_size: int, *,
-                 background: bool | None = None, transfer_programs: int = DEFAULT_PROGRAMS):
+                 background: bool | None = None, transfer_programs: int = DEFAULT_PROGRAMS,
+                 transfer_backend: str = "uva"):
         """kv: [L, num_slots, 2, block_size, D], the engine's page pool; max_blocks: blocks of
         the longest request (the width of the score buffer, fixed per graph); summary_blocks:
         blocks of summaries to hold across all rows; background: run the stages on side streams
@@ -56,6 +58,10 @@ class LookaheadPipeline:
         self.max_blocks = max_blocks
         self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
         self.transfer_programs = transfer_programs
+        if transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
+        self.transfer_backend = transfer_backend
+        self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
         i32 = dict(dtype=torch.int32, device=dev)
@@ -260,7 +266,10 @@ class LookaheadPipeline:
                          self.admit_slots[layer, :B * H], self.stats[:B * H])
 
     def transfer(self, layer: int) -> None:
-        """Admitted items host -> their GPU slots (addresses computed in the copy kernel)."""
+        """Admitted items host -> their GPU slots (addresses computed in the copy kernel). With
+        the "dma" backend the admissions wait in the plan for `transfer_on_host` instead."""
+        if self.transfer_backend == "dma":
+            return
         B, H = self.B, self.H
         fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer, :B * H],
                        self.admit_slots[layer, :B * H], self.pages[:B], self.extent_start[:B],
@@ -270,6 +279,33 @@ class LookaheadPipeline:
         B = self.B
         write_through(self.kv, self.host_items, self.completes[:B], self.window_slot[:B], self.extent_start[:B],
                       self.extent_blocks[:B], self.block[:B], self.H, self.transfer_programs)
+
+    def transfer_on_host(self) -> None:
+        """Backend "dma" (DESIGN §7: CPU gather into pinned staging, then one copy on the copy
+        engine, which takes no SMs): after the step, CPU threads gather every layer's admitted
+        items into pinned staging, one DMA copy brings them over, one scatter puts them in their
+        slots, all before the next step. It reads the plan on the host, so it cannot live in the
+        captured step: the transfer is on the critical path, between steps."""
+        B, H, C, L = self.B, self.H, self.C, self.L
+        blocks = self.admit_blocks[:, :B * H].cpu()  # [L, B*H, C]; the sync that ends the step
+        slots = self.admit_slots[:, :B * H].cpu()
+        layer, row, col = (blocks >= 0).nonzero(as_tuple=True)
+        n = layer.numel()
+        if not n:
+            return
+        r, h = row // H, row % H
+        start, nblk, pages = self.extent_start[:B].cpu(), self.extent_blocks[:B].cpu(), self.pages[:B].cpu().long()
+        src = start[r] + (layer * nblk[r] + blocks[layer, row, col].long()) * H + h
+        num_slots = self.kv.shape[1]
+        dst = layer * num_slots + pages[r, self.S + slots[layer, row, col].long()] * H + h
+        if self.staging is None or self.staging.shape[0] < n:
+            from oasiskv.sparse.host_pool import pinned_empty
+            shape = (max(n, L * B * H * C), *self.host.items.shape[1:])
+            pin = self.device.type == "cuda"
+            self.staging = pinned_empty(shape, self.kv.dtype) if pin else torch.empty(shape, dtype=self.kv.dtype)
+        torch.index_select(self.host.items, 0, src, out=self.staging[:n])
+        items = self.staging[:n].to(self.device, non_blocking=True)
+        self.kv.view(-1, *self.kv.shape[2:])[dst.to(self.device)] = items
 
     @property
     def fetched_bytes(self) -> int:
