@@ -31,6 +31,7 @@ class EngineConfig:
     drafter: str = "self"
     host_kv_gb: float = 4.0
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
+    async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -47,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.sparse_pipeline not in ("auto", "on", "off"):
             raise ValueError(f"sparse_pipeline must be auto, on or off, got {self.sparse_pipeline!r}")
         if self.sparse_pipeline == "on" and self.drafter in ("oracle", "ondemand"):

@@ -11,10 +11,22 @@ from oasiskv.bench.roofline import kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.config import EngineConfig
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.model_runner import ModelRunner
-from oasiskv.engine.scheduler import Scheduler
-from oasiskv.engine.sequence import Sequence
+from oasiskv.engine.sampler import on_device
+from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
+from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.models.tokenizer import load_tokenizer
 from oasiskv.sampling_params import SamplingParams
+
+
+PENDING = -1  # stands for a token still on the device (async scheduling), never seen outside step()
+
+
+@dataclass
+class InFlight:
+    """A decode step launched but not yet read back."""
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # sampled on the device
+    launched: float
 
 
 @dataclass
@@ -44,11 +56,15 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._ids = itertools.count()
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda")
+        self._in_flight: InFlight | None = None
+        self._last_done = 0.0
         self._weight_bytes = weight_bytes_per_step(mc, self.runner.dtype.itemsize)
         self.seqs: dict[str, Sequence] = {}
         self.step_stats = {"prefill_steps": 0, "decode_steps": 0, "decode_time": 0.0,
                            "decode_tokens": 0, "prefill_time": 0.0, "prefill_tokens": 0,
-                           "decode_bytes": 0}
+                           "decode_bytes": 0, "overlapped_steps": 0}
 
     # ---- intake -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -106,19 +122,62 @@ class LLMEngine:
             seq.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._in_flight is not None or self.scheduler.has_unfinished()
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._in_flight is not None:
+            return self._read_in_flight()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if self.async_scheduling and not batch.is_prefill and self._overlappable(batch.seqs):
+            self._in_flight = InFlight(batch, self.runner.launch_decode(batch.seqs), time.perf_counter())
+            return self._read_in_flight()
         t0 = time.perf_counter()
         tokens = self.runner.execute(batch)
         self._account(batch, time.perf_counter() - t0)
         outputs = self.postprocess(batch, tokens)
         self._convert_to_sparse()
         return outputs
+
+    # ---- async scheduling (vLLM's --async-scheduling) --------------------------------------
+    def _read_in_flight(self) -> list[RequestOutput]:
+        """Launch the next decode step of the same requests first (its inputs are this step's
+        samples, still on the device), then read this step's tokens and post-process them while
+        the device runs the next one: the host's work leaves the device's critical path."""
+        cur, self._in_flight = self._in_flight, None
+        nxt = self._next_step_of(cur.batch.seqs)
+        if nxt:
+            where = {id(s): i for i, s in enumerate(cur.batch.seqs)}
+            ids = cur.tokens[on_device([where[id(s)] for s in nxt], cur.tokens.device)]
+            for s in nxt:
+                s.output_token_ids.append(PENDING)  # this step's token, filled in by postprocess
+                self.block_manager.grow(s, s.num_tokens)
+            self._in_flight = InFlight(ScheduledBatch(nxt, [1] * len(nxt), False),
+                                       self.runner.launch_decode(nxt, ids), time.perf_counter())
+            self.step_stats["overlapped_steps"] += 1
+        tokens = cur.tokens.tolist()
+        done = time.perf_counter()
+        self._account(cur.batch, done - max(cur.launched, self._last_done))
+        self._last_done = done
+        return self.postprocess(cur.batch, tokens)
+
+    def _overlappable(self, seqs: list[Sequence]) -> bool:
+        """Plain dense decode only: sparse steps, conversions and logits processors (which may
+        look at the tokens so far) take the synchronous path."""
+        return self.runner.sparse is None and not any(s.params.logits_processors for s in seqs)
+
+    def _next_step_of(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The requests of a step in flight that certainly take another step: none when requests
+        wait to be admitted (the scheduler must run) or pages run short (it may preempt); those
+        whose token now reaches max_tokens or the model length leave."""
+        if self.scheduler.waiting or not self._overlappable(seqs):
+            return []
+        nxt = [s for s in seqs if s.status == SequenceStatus.RUNNING
+               and len(s.output_token_ids) + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len]
+        need = sum(self.block_manager.pages_needed(s, s.num_tokens + 1) for s in nxt)
+        return nxt if need <= self.block_manager.num_free else []
 
     def _convert_to_sparse(self) -> None:
         """Requests whose context passed the threshold this step move their KV to the host."""
@@ -149,12 +208,17 @@ class LLMEngine:
         now = time.perf_counter()
         outputs = []
         for seq, n, tok in zip(batch.seqs, batch.num_tokens, tokens):
+            if seq.is_finished:  # finished (or aborted) while this step was in flight
+                continue
             seq.num_cached_tokens += n
             if tok is None:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            seq.output_token_ids.append(tok)
+            if seq.output_token_ids and seq.output_token_ids[-1] == PENDING:
+                seq.output_token_ids[-1] = tok  # the next step already runs on it
+            else:
+                seq.output_token_ids.append(tok)
             reason = self._finish_reason(seq, tok)
             if reason:
                 seq.finish_reason, seq.finish_time = reason, now

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from oasiskv.config import EngineConfig
-from oasiskv.engine.sampler import sample
+from oasiskv.engine.sampler import on_device, sample
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
@@ -142,8 +142,13 @@ class ModelRunner:
         block = positions // self.block_size
         page = np.array([seqs_pages[o][b] for o, b in zip(owner, block)], dtype=np.int64)
         slots = page[:, None] * self.num_kv_heads + np.arange(self.num_kv_heads)[None, :]
-        return (torch.from_numpy(slots.astype(np.int32)).to(self.device),
-                torch.from_numpy((positions % self.block_size).astype(np.int32)).to(self.device))
+        return (self._h2d(slots.astype(np.int32)), self._h2d((positions % self.block_size).astype(np.int32)))
+
+    def _h2d(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Host array -> device without waiting for the device (pinned staging, async copy): a
+        pageable copy would wait for the step in flight and undo async scheduling."""
+        t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def prepare_prefill(self, batch: ScheduledBatch):
         ids, pos, owner, chunks, logits_rows = [], [], [], [], []
@@ -183,7 +188,9 @@ class ModelRunner:
         m = self.sparse
         return m is not None and any(s.sparse is not None or m.should_convert(s, s.num_tokens) for s in seqs)
 
-    def prepare_decode(self, seqs: list[Sequence]):
+    def prepare_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
+        """ids: the input tokens already on the device (async scheduling: the last step's
+        samples, not yet read by the host); default: each sequence's newest token."""
         if self.needs_sparse_step(seqs):
             return self.prepare_mixed_decode(seqs)
         B, Hkv = len(seqs), self.num_kv_heads
@@ -193,14 +200,16 @@ class ModelRunner:
         page_table = np.zeros((B, nblk), dtype=np.int64)
         for i, s in enumerate(seqs):
             page_table[i, :len(s.pages)] = s.pages
-        pt = torch.from_numpy(page_table).to(self.device)
+        pt = self._h2d(page_table)
         # Dense request: head h of block j lives at slot page_table[j] * Hkv + h (DESIGN §2).
         slot_tables = (pt[:, None, :] * Hkv + torch.arange(Hkv, device=self.device)[None, :, None]).int()
-        cache_lens = torch.from_numpy(positions).to(self.device).int()[:, None].expand(B, Hkv).contiguous()
+        pos = self._h2d(positions)
+        cache_lens = pos.int()[:, None].expand(B, Hkv).contiguous()
         meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, slot_tables=slot_tables,
                                  cache_lens=cache_lens, query_len=1)
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
-        return ids, torch.from_numpy(positions).to(self.device), meta
+        if ids is None:
+            ids = on_device([s.token_ids[-1] for s in seqs], self.device)
+        return ids, pos, meta
 
     def prepare_mixed_decode(self, seqs: list[Sequence]):
         """Dense and sparse requests in one batch: two query rows per request (the token and
@@ -348,8 +357,15 @@ class ModelRunner:
             ws.draft = next_draft(drafter, s.token_ids + [tok], ws.draft, tok, guess)
         return tokens
 
-    def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        ids, positions, meta = self.prepare_decode(seqs)
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A dense decode step that does not wait for the device: the sampled tokens stay there
+        (async scheduling reads them while the next step runs)."""
+        hidden = self.run_decode(seqs, ids)
+        return sample(self.model.compute_logits(hidden), [s.params for s in seqs], [s.generator for s in seqs])
+
+    def run_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+        ids, positions, meta = self.prepare_decode(seqs, ids)
         B = len(seqs)
         bucket = next((b for b in sorted(self.graphs) if b >= B), None)
         if bucket is None:

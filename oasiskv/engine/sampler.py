@@ -14,7 +14,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if all(p.greedy for p in params):
         return greedy
     dev = logits.device
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+    temps = on_device([p.temperature if not p.greedy else 1.0 for p in params], dev)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         probs = _top_k_top_p(probs, params)
@@ -24,8 +24,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if g is not None:
             noise[i] = torch.empty(probs.shape[1], device=dev).exponential_(generator=g)
     sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
+    is_greedy = on_device([p.greedy for p in params], dev)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def on_device(values: list, dev: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: `torch.tensor(...,
+    device=cuda)` copies from pageable memory, which waits for the work already queued (the step
+    in flight, under async scheduling); pinned staging and an async copy do not."""
+    t = torch.tensor(values)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
 def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -42,8 +50,8 @@ def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams]) 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev, V = probs.device, probs.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    top_k = on_device([p.top_k if p.top_k > 0 else V for p in params], dev)
+    top_p = on_device([p.top_p for p in params], dev)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=dev)[None, :]
     # Keep a token if it is within the top k and the mass before it is below top_p.

@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="launch decode step t+1 before reading step t's tokens (auto: on CUDA)")
     sp = p.add_argument_group("sparse decode (KV beyond GPU memory)")
     sp.add_argument("--sparse", action="store_true", help="decode long requests from a head-wise working set")
     sp.add_argument("--top-k-blocks", type=int, default=128)
@@ -47,4 +49,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, sparse=args.sparse, top_k_blocks=args.top_k_blocks,
         sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
         sparse_threshold=args.sparse_threshold, fetch_ratio=1.0 if args.fetch_all else args.fetch_ratio,
-        drafter=args.drafter, host_kv_gb=args.host_kv_gb, sparse_pipeline=args.sparse_pipeline)
+        drafter=args.drafter, host_kv_gb=args.host_kv_gb, sparse_pipeline=args.sparse_pipeline,
+        async_scheduling=args.async_scheduling)
