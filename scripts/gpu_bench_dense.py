@@ -48,28 +48,35 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     a = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     results = {"model": a.model, "device": torch.cuda.get_device_name(0)}
     q = a.quick
     src = resolve_model(a.model, "dummy")
-    hf = build_hf_model(src, torch.bfloat16, torch.device("cuda"))
-    results["hf_peer"] = time_hf_generate(hf, 16, 1024, 64 if q else 256, src.config.vocab_size)
-    print("HF peer:", results["hf_peer"], flush=True)
-    del hf
-    gc.collect()
-    torch.cuda.empty_cache()
-    results["ours_peer_shape"] = run_ours(a.model, 1024, 64 if q else 256, 16, 16)
-    results["throughput"] = run_ours(a.model, 1024, 64 if q else 256, 64 if q else 256, 256)
-    results["decode_heavy_32k"] = run_ours(a.model, 4096 if q else 32768, 64 if q else 256, 16, 16)
+    if not a.no_hf:
+        hf = build_hf_model(src, torch.bfloat16, torch.device("cuda"))
+        results["hf_peer"] = time_hf_generate(hf, 16, 1024, 64 if q else 256, src.config.vocab_size)
+        print("HF peer:", results["hf_peer"], flush=True)
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+    # Each case with async scheduling off and on, side by side in this process.
+    cases = {"ours_peer_shape": (1024, 64 if q else 256, 16, 16),
+             "throughput": (1024, 64 if q else 256, 64 if q else 256, 256),
+             "decode_heavy_32k": (4096 if q else 32768, 64 if q else 256, 16, 16)}
+    for name, shape in cases.items():
+        for mode in ("off", "on"):
+            results[f"{name}_async_{mode}"] = run_ours(a.model, *shape, async_scheduling=mode)
     with open(os.path.join(out_dir, "dense_bench.json"), "w") as f:
         json.dump(results, f, indent=2)
     print("\n| case | output tok/s | decode step ms | roofline |")
     print("|---|---|---|---|")
-    hp = results["hf_peer"]
-    print(f"| HF generate b16 1024/{hp['output_len']} | {hp['output_tokens_per_second']:.0f} | "
-          f"{hp['mean_decode_step_ms']:.2f} | |")
-    for k in ("ours_peer_shape", "throughput", "decode_heavy_32k"):
+    if "hf_peer" in results:
+        hp = results["hf_peer"]
+        print(f"| HF generate b16 1024/{hp['output_len']} | {hp['output_tokens_per_second']:.0f} | "
+              f"{hp['mean_decode_step_ms']:.2f} | |")
+    for k in (f"{name}_async_{mode}" for name in cases for mode in ("off", "on")):
         r = results[k]
         print(f"| {k} {r['input_len']}/{r['output_len']} x{r['num_prompts']} | "
               f"{r['output_tokens_per_second']:.0f} | {r['mean_decode_step_ms']:.2f} | "
