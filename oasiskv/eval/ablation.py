@@ -75,9 +75,9 @@ def run_ablation(args) -> int:
         results["runs"].append(row)
         print(f"K={k:>4} ratio={ratio:<5} C={cap:<4} passkey {row['passkey_correct']}/{row['passkey_total']} "
               f"top-1 {100 * row['top1_agreement']:.2f}% ppl x{row['ppl_ratio']:.4f}", flush=True)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.output_json:  # after every setting: a long run stopped early keeps what it measured
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=1)
     if args.plot:
         plot_ablation(results, args.plot)
     if args.json:
