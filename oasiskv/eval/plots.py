@@ -20,6 +20,7 @@ def line_panels(path: str, panels: list[dict], title: str = "") -> None:
         if p.get("xlog"):
             ax.set_xscale("log")
         if p.get("xticks"):
+            ax.minorticks_off()  # a log axis would label its minor ticks over ours
             ax.set_xticks(p["x"], p["xticks"])
         ax.set_title(p["title"], fontsize=10)
         ax.set_xlabel(p["xlabel"])
