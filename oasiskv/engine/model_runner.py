@@ -88,18 +88,16 @@ class ModelRunner:
         on side streams, one CUDA graph per step) on CUDA; the in-line per-request path stays for
         the oracle and on-demand drafters and as the reference on CPU."""
         mode = self.cfg.sparse_pipeline
-        if self.sparse is None or mode == "off":
+        if not self.cfg.sparse or mode == "off":
             return False
         return mode == "on" or (self.device.type == "cuda" and self.cfg.drafter not in ("oracle", "ondemand"))
 
     def _pipeline_reserve(self) -> int:
         """GPU bytes the pipeline's summary arena will take (one min and max per host block)."""
-        sc = self.cfg.sparse_config()
-        if not sc.enabled or not (self.cfg.sparse_pipeline == "on" or (self.device.type == "cuda" and
-                                  self.cfg.sparse_pipeline == "auto")):
+        if not self._use_pipeline():
             return 0
         item = 2 * self.cfg.block_size * self.model_config.head_dim * self.dtype.itemsize
-        return int(sc.host_kv_gb * 2**30) // item * item // self.cfg.block_size
+        return int(self.cfg.host_kv_gb * 2**30) // item * item // self.cfg.block_size
 
     @property
     def kv_bytes_per_page(self) -> int:
@@ -341,9 +339,9 @@ class ModelRunner:
             r, tok, draft = s.sparse.row, s.token_ids[-1], s.sparse.draft
             ids[2 * r], ids[2 * r + 1] = tok, draft if draft is not None else tok
             active[r] = True
-        p.active[:bucket].copy_(torch.tensor(active))
-        hidden = step.run(torch.tensor(ids, device=dev))
-        rows = torch.tensor([s.sparse.row for s in seqs], device=dev)
+        p.active[:bucket].copy_(on_device(active, dev))
+        hidden = step.run(on_device(ids, dev))
+        rows = on_device([s.sparse.row for s in seqs], dev)
         logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
         tokens = sample(logits[0::2], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
         draft_argmax = logits[1::2].argmax(-1).tolist()

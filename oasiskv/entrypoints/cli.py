@@ -77,6 +77,15 @@ def format_kv_stats(out, engine) -> str:
     ])
 
 
+def _command(parent, name: str, help: str, add_args, run, engine: bool = True) -> None:
+    """A subcommand: its own flags, the engine's flags (unless it only talks to a server), its runner."""
+    p = parent.add_parser(name, help=help)
+    add_args(p)
+    if engine:
+        add_engine_args(p)
+    p.set_defaults(func=run)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oasiskv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,46 +114,30 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(s)
     s.set_defaults(func=_serve)
 
+    from oasiskv.bench.decode import add_decode_args, run_decode_bench
+    from oasiskv.bench.serve import add_bench_serve_args, run_bench_serve
+    from oasiskv.bench.throughput import add_throughput_args, run_throughput
+    from oasiskv.eval.ablation import add_ablation_args, run_ablation
+    from oasiskv.eval.agreement import add_agreement_args, run_agreement
+    from oasiskv.eval.fidelity import add_fidelity_args, run_fidelity
+    from oasiskv.eval.passkey import add_passkey_args, run_passkey
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from oasiskv.bench.throughput import add_throughput_args, run_throughput
-    t = bsub.add_parser("throughput", help="offline throughput (vLLM's bench throughput)")
-    add_throughput_args(t)
-    add_engine_args(t)
-    t.set_defaults(func=run_throughput)
-    from oasiskv.bench.decode import add_decode_args, run_decode_bench
-    d = bsub.add_parser("decode", help="decode throughput at long context: dense vs sparse (synthetic KV)")
-    add_decode_args(d)
-    add_engine_args(d)
-    d.set_defaults(func=run_decode_bench)
-    from oasiskv.bench.serve import add_bench_serve_args, run_bench_serve
-    bs = bsub.add_parser("serve", help="online serving load against an OpenAI server (vLLM's bench serve)")
-    add_bench_serve_args(bs)
-    bs.set_defaults(func=run_bench_serve)
+    _command(bsub, "throughput", "offline throughput (vLLM's bench throughput)", add_throughput_args, run_throughput)
+    _command(bsub, "decode", "decode throughput at long context: dense vs sparse (synthetic KV)",
+             add_decode_args, run_decode_bench)
+    _command(bsub, "serve", "online serving load against an OpenAI server (vLLM's bench serve)",
+             add_bench_serve_args, run_bench_serve, engine=False)
 
     e = sub.add_parser("eval", help="accuracy evaluations on a real model")
     esub = e.add_subparsers(dest="eval", required=True)
-    from oasiskv.eval.passkey import add_passkey_args, run_passkey
-    pk = esub.add_parser("passkey", help="needle (pass key) retrieval: dense vs sparse drafters")
-    add_passkey_args(pk)
-    add_engine_args(pk)
-    pk.set_defaults(func=run_passkey)
-    from oasiskv.eval.agreement import add_agreement_args, run_agreement
-    ag = esub.add_parser("agreement", help="lookahead agreement per layer: each drafter's top-K vs the next token's")
-    add_agreement_args(ag)
-    add_engine_args(ag)
-    ag.set_defaults(func=run_agreement)
-    from oasiskv.eval.fidelity import add_fidelity_args, run_fidelity
-    fi = esub.add_parser("fidelity", help="sparse vs dense on real text: teacher-forced KL, top-1, perplexity; "
-                         "free-running divergence")
-    add_fidelity_args(fi)
-    add_engine_args(fi)
-    fi.set_defaults(func=run_fidelity)
-    from oasiskv.eval.ablation import add_ablation_args, run_ablation
-    ab = esub.add_parser("ablation", help="passkey and fidelity against the fetch ratio and K")
-    add_ablation_args(ab)
-    add_engine_args(ab)
-    ab.set_defaults(func=run_ablation)
+    _command(esub, "passkey", "needle (pass key) retrieval: dense vs sparse drafters", add_passkey_args, run_passkey)
+    _command(esub, "agreement", "lookahead agreement per layer: each drafter's top-K vs the next token's",
+             add_agreement_args, run_agreement)
+    _command(esub, "fidelity", "sparse vs dense on real text: teacher-forced KL, top-1, perplexity; "
+             "free-running divergence", add_fidelity_args, run_fidelity)
+    _command(esub, "ablation", "passkey and fidelity against the fetch ratio and K", add_ablation_args, run_ablation)
 
     args = parser.parse_args(argv)
     try:
