@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--pipeline", default="auto", help="--sparse-pipeline of the full-budget run")
     a = ap.parse_args()
     common = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.prompt_len + a.steps + 16, max_num_seqs=4,
                   kv_cache_gb=4.0)
@@ -49,7 +50,8 @@ def main():
     del vocab_probe
     torch.cuda.empty_cache()
     nblocks = -(-(a.prompt_len + a.steps) // 16)
-    sparse = LLM(a.model, sparse=True, top_k_blocks=nblocks, sparse_threshold=1024, host_kv_gb=4.0, **common)
+    sparse = LLM(a.model, sparse=True, top_k_blocks=nblocks, sparse_threshold=1024, host_kv_gb=4.0,
+                 sparse_pipeline=a.pipeline, **common)
     seen = record_logits(sparse)
     t0 = time.perf_counter()
     out = sparse.generate(prompts, params)
@@ -60,17 +62,33 @@ def main():
         s = s[::2] if s.shape[0] == 2 * d.shape[0] else s
         rel.append(((s - d).norm(dim=-1) / d.norm(dim=-1)).max().item())
     same = [o.token_ids == d.token_ids for o, d in zip(out, dense)]
-    capped = LLM(a.model, sparse=True, top_k_blocks=32, sparse_threshold=1024, host_kv_gb=4.0, **common)
-    c = capped.generate(prompts, params)
-    res = {"model": a.model, "prompt_len": a.prompt_len, "max_rel_logit_err": max(rel),
+    # The first step where the tokens part: the logits after it see different inputs.
+    first_diff = min((next((i for i, (x, y) in enumerate(zip(o.token_ids, d.token_ids)) if x != y), a.steps + 1)
+                      for o, d in zip(out, dense)))
+    del sparse
+    capped = {}
+    for mode in ("on", "off"):  # the capped budget through the pipeline and through the in-line path
+        llm = LLM(a.model, sparse=True, top_k_blocks=32, sparse_threshold=1024, host_kv_gb=4.0,
+                  sparse_pipeline=mode, **common)
+        capped[mode] = llm.generate(prompts, params)
+        del llm
+        torch.cuda.empty_cache()
+    pipeline_same = [x.token_ids == y.token_ids for x, y in zip(capped["on"], capped["off"])]
+    res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
+           "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
+           "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,
-           "full_budget_stats": out[0].stats, "capped_stats": c[0].stats}
+           "full_budget_stats": out[0].stats, "capped_stats": capped["on"][0].stats,
+           "capped_in_line_stats": capped["off"][0].stats,
+           "capped_pipeline_tokens_equal_in_line": pipeline_same}
     print(json.dumps(res, indent=1))
     ok = max(rel) < 3e-2 and all(same)
     print("PASS" if ok else "FAIL", f"full-budget sparse vs dense: max relative logit error {max(rel):.2e}, "
           f"tokens equal {same}")
+    print("PASS" if all(pipeline_same) else "FAIL", f"capped budget, pipeline vs in-line tokens equal {pipeline_same}")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}.json"), "w") as f:
+        name = f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}_{a.prompt_len}.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(res, f, indent=2)
 
 

@@ -4,6 +4,7 @@ import argparse
 import pytest
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.sparse.drafters import ngram_propose
 
 GREEDY64 = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)  # prefill + 64 decode steps
 
@@ -105,3 +106,18 @@ def test_sparse_requests_batched_together(dense):
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == want
     assert all(o.stats["sparse_steps"] == 16 for o in got)
+
+
+def test_first_sparse_step_drafts_by_prompt_lookup(prompt):
+    """Right after the conversion there is no draft row to take an argmax from: the first draft
+    is the prompt-lookup proposal, not a copy of the current token."""
+    llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=16, sparse_threshold=1024, host_kv_gb=0.5)
+    engine = llm.engine
+    # A repeated tail: the model continues the copy, so prompt lookup has an n-gram to follow.
+    engine.add_request(prompt + prompt[-50:], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while not any(s.sparse is not None for s in engine.scheduler.running):
+        engine.step()
+    seq = engine.scheduler.running[0]
+    proposal = ngram_propose(seq.token_ids)
+    assert proposal is not None and proposal != seq.token_ids[-1]  # the case means something
+    assert seq.sparse.draft == proposal

@@ -18,6 +18,7 @@ import torch
 from oasiskv.sparse.block_scores import score_topk
 from oasiskv.sparse.capped_eviction import EvictionPlan, capped_eviction
 from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.drafters import next_draft
 from oasiskv.sparse.host_pool import HostKVPool
 from oasiskv.sparse.summaries import block_minmax, update_block_minmax
 from oasiskv.sparse.working_set import WorkingSet
@@ -137,6 +138,10 @@ class SparseManager:
             src = dense_slots[held[h_idx, p_idx].long().to(self.device), h_idx.to(self.device)]
             dst = torch.tensor(new_pages, device=self.device)[p_idx.to(self.device)] * H + h_idx.to(self.device)
             self.kv[layer][dst] = self.kv[layer][src]
+        # The first sparse step has no draft row to take an argmax from: start the chain with
+        # prompt lookup instead of a copy of the current token (a cold start measured in
+        # docs/accuracy.md as one step of `prev`-quality prediction).
+        ws.draft = next_draft(cfg.drafter, seq.token_ids, None, seq.token_ids[-1], None)
         seq.sparse = ws
         if self.pipeline is not None:
             self.pipeline.adopt(ws, n)
