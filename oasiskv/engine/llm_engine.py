@@ -25,8 +25,19 @@ PENDING = -1  # stands for a token still on the device (async scheduling), never
 class InFlight:
     """A decode step launched but not yet read back."""
     batch: ScheduledBatch
-    tokens: torch.Tensor  # sampled on the device
+    tokens: torch.Tensor  # sampled, on the device
+    host_tokens: torch.Tensor  # their copy in pinned host memory, complete once `ready` fires
+    ready: torch.cuda.Event | None  # None on CPU
     launched: float
+
+    @classmethod
+    def launch(cls, runner, batch: ScheduledBatch, ids: torch.Tensor | None = None) -> "InFlight":
+        return cls(batch, *runner.launch_decode(batch.seqs, ids), time.perf_counter())
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_tokens.tolist()
 
 
 @dataclass
@@ -132,7 +143,7 @@ class LLMEngine:
         if batch is None:
             return []
         if self.async_scheduling and not batch.is_prefill and self._overlappable(batch.seqs):
-            self._in_flight = InFlight(batch, self.runner.launch_decode(batch.seqs), time.perf_counter())
+            self._in_flight = InFlight.launch(self.runner, batch)
             return self._read_in_flight()
         t0 = time.perf_counter()
         tokens = self.runner.execute(batch)
@@ -154,10 +165,9 @@ class LLMEngine:
             for s in nxt:
                 s.output_token_ids.append(PENDING)  # this step's token, filled in by postprocess
                 self.block_manager.grow(s, s.num_tokens)
-            self._in_flight = InFlight(ScheduledBatch(nxt, [1] * len(nxt), False),
-                                       self.runner.launch_decode(nxt, ids), time.perf_counter())
+            self._in_flight = InFlight.launch(self.runner, ScheduledBatch(nxt, [1] * len(nxt), False), ids)
             self.step_stats["overlapped_steps"] += 1
-        tokens = cur.tokens.tolist()
+        tokens = cur.read()
         done = time.perf_counter()
         self._account(cur.batch, done - max(cur.launched, self._last_done))
         self._last_done = done

@@ -356,11 +356,20 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
-    def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """A dense decode step that does not wait for the device: the sampled tokens stay there
-        (async scheduling reads them while the next step runs)."""
+    def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
+        """A dense decode step that does not wait for the device. Returns the sampled tokens on
+        the device (the next step's inputs), a pinned host copy of them, and the event that marks
+        the copy done. Async scheduling reads the host copy once the event fires: `.tolist()` on
+        the device tensor would queue behind the step launched after this one and wait for it too."""
         hidden = self.run_decode(seqs, ids)
-        return sample(self.model.compute_logits(hidden), [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs], [s.generator for s in seqs])
+        if self.device.type != "cuda":
+            return tokens, tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return tokens, host, ready
 
     def run_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
         ids, positions, meta = self.prepare_decode(seqs, ids)
