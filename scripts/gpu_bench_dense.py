@@ -49,6 +49,7 @@ def main():
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--async-modes", default="off,on", help="async scheduling modes to run each case in")
     a = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     results = {"model": a.model, "device": torch.cuda.get_device_name(0)}
@@ -65,8 +66,9 @@ def main():
     cases = {"ours_peer_shape": (1024, 64 if q else 256, 16, 16),
              "throughput": (1024, 64 if q else 256, 64 if q else 256, 256),
              "decode_heavy_32k": (4096 if q else 32768, 64 if q else 256, 16, 16)}
+    modes = a.async_modes.split(",")
     for name, shape in cases.items():
-        for mode in ("off", "on"):
+        for mode in modes:
             results[f"{name}_async_{mode}"] = run_ours(a.model, *shape, async_scheduling=mode)
     with open(os.path.join(out_dir, "dense_bench.json"), "w") as f:
         json.dump(results, f, indent=2)
@@ -76,7 +78,7 @@ def main():
         hp = results["hf_peer"]
         print(f"| HF generate b16 1024/{hp['output_len']} | {hp['output_tokens_per_second']:.0f} | "
               f"{hp['mean_decode_step_ms']:.2f} | |")
-    for k in (f"{name}_async_{mode}" for name in cases for mode in ("off", "on")):
+    for k in (f"{name}_async_{mode}" for name in cases for mode in modes):
         r = results[k]
         print(f"| {k} {r['input_len']}/{r['output_len']} x{r['num_prompts']} | "
               f"{r['output_tokens_per_second']:.0f} | {r['mean_decode_step_ms']:.2f} | "

@@ -6,10 +6,8 @@
 #   run(carry=[".gpu_site"], command="bash scripts/gpu_bench_serve.sh")   # after scripts/gpu_deps.sh here
 #
 # Sizes can be changed without editing: MODEL, DENSE_PROMPTS, DENSE_IN, DENSE_OUT, SPARSE_PROMPTS,
-# SPARSE_IN, SPARSE_OUT, HOST_KV_GB, SERVE_EXTRA (more server flags), BENCH_S (seconds per bench).
-# A trial with 16 dense prompts (1024 / 64) and 2 sparse ones (8192 / 32) took 125 s in all: servers
-# ready after 45 s (dense) and 26 s (sparse); sparse decode then ran at ~265 ms per step for 2
-# requests (the lookahead pipeline still runs in line), hence only 8 sparse prompts by default.
+# SPARSE_IN, SPARSE_OUT, HOST_KV_GB, SERVE_EXTRA (more server flags), BENCH_S (seconds per bench),
+# CASES (default "dense sparse"). The defaults ran in 154 s in all (2026-11-29).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -79,10 +77,12 @@ run_case() {
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 free -g | head -2
+case " ${CASES:-dense sparse} " in *" dense "*)
 run_case dense -- \
   --num-prompts "${DENSE_PROMPTS:-200}" --random-input-len "${DENSE_IN:-1024}" \
-  --random-output-len "${DENSE_OUT:-256}" --request-rate inf --ignore-eos
-run_case sparse --sparse --sparse-threshold 4096 --host-kv-gb "${HOST_KV_GB:-16}" -- \
-  --num-prompts "${SPARSE_PROMPTS:-8}" --random-input-len "${SPARSE_IN:-8192}" \
-  --random-output-len "${SPARSE_OUT:-128}" --request-rate inf --ignore-eos
+  --random-output-len "${DENSE_OUT:-256}" --request-rate inf --ignore-eos ;; esac
+case " ${CASES:-dense sparse} " in *" sparse "*)
+run_case sparse --sparse --sparse-threshold 4096 --host-kv-gb "${HOST_KV_GB:-48}" -- \
+  --num-prompts "${SPARSE_PROMPTS:-16}" --random-input-len "${SPARSE_IN:-16384}" \
+  --random-output-len "${SPARSE_OUT:-128}" --request-rate inf --ignore-eos ;; esac
 ls -l "$OUT"

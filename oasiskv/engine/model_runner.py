@@ -19,7 +19,7 @@ from oasiskv.models.loader import iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
 from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
 from oasiskv.sparse.manager import SparseManager
-from oasiskv.sparse.pipeline import LookaheadPipeline
+from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -64,6 +64,8 @@ class ModelRunner:
                 sc, mc, self.kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
                 summary_blocks=host.num_items // (mc.num_layers * self.num_kv_heads), block_size=self.block_size)
             self.sparse.pipeline = self.pipeline
+            if self.device.type == "cuda":  # events inside the captured step: the stall per step
+                self.pipeline.timing = PipelineTiming(mc.num_layers)
         self.pipeline_steps: dict[int, SparseDecodeStep] = {}  # per batch bucket, captured on first use
         self.pending_conversions: list[tuple[Sequence, torch.Tensor]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -278,9 +280,9 @@ class ModelRunner:
             if hooks.drafter in ("self", "ngram", "oracle"):
                 ws.stats.drafts += 1
                 ws.stats.drafts_accepted += int(ws.draft == tok)
+            ws.history.append(tok)
             if hooks.drafter != "oracle":
-                ws.draft = next_draft(hooks.drafter, s.token_ids + [tok], ws.draft, tok,
-                                      draft_argmax[r.batch_index])
+                ws.draft = next_draft(hooks.drafter, ws.history, ws.draft, tok, draft_argmax[r.batch_index])
         return tokens
 
     # ---- execution ----------------------------------------------------------------------
@@ -346,13 +348,16 @@ class ModelRunner:
         tokens = sample(logits[0::2], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
         draft_argmax = logits[1::2].argmax(-1).tolist()
         drafter = self.sparse.cfg.drafter
+        stall = p.timing.stall_seconds() if p.timing is not None else 0.0  # the step has synced
         for s, tok, guess in zip(seqs, tokens, draft_argmax):
             ws = s.sparse
             ws.stats.steps += 1
+            ws.stats.stall_s += stall
             if drafter in USES_DRAFT_TOKEN:
                 ws.stats.drafts += 1
                 ws.stats.drafts_accepted += int(ws.draft == tok)
-            ws.draft = next_draft(drafter, s.token_ids + [tok], ws.draft, tok, guess)
+            ws.history.append(tok)
+            ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)
         return tokens
 
     @torch.inference_mode()

@@ -53,10 +53,10 @@ class ServerMetrics:
                                    "when the step needed them.", registry=r)
         self.sparse_hit_rate = Gauge(p + "sparse_lookahead_hit_rate", "Lookahead hit rate over all "
                                      "finished sparse requests (hits / predicted).", registry=r)
-        self.sparse_stall = Counter(p + "sparse_pipeline_stall_seconds", "Time decode steps waited for "
-                                    "the prefetch pipeline. Always 0 for now: prediction, selection and "
-                                    "transfer still run in line inside the step; the engine reports stall "
-                                    "once the asynchronous pipeline exists.", registry=r)
+        self.sparse_stall = Counter(p + "sparse_pipeline_stall_seconds", "Time the decode steps of finished "
+                                    "sparse requests waited at the end of the step for the prefetch "
+                                    "pipeline's streams, summed per request (CUDA pipeline only; the in-line "
+                                    "path on CPU runs its stages inside the step and reports 0).", registry=r)
         self._predicted = self._hits = 0  # running sums behind the hit-rate gauge
 
     def render(self) -> bytes:

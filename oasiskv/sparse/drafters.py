@@ -2,23 +2,48 @@
 whose query predicts the blocks step t+1 needs; its K/V is never stored."""
 from __future__ import annotations
 
+import numpy as np
+
 # Drafters that send a draft token through the model alongside the real one.
 USES_DRAFT_TOKEN = {"self", "ngram", "oracle"}
 
 
-def ngram_propose(tokens: list[int], max_n: int = 3, window: int = 4096) -> int | None:
+class TokenHistory:
+    """A request's tokens in a growing array: prompt lookup scans it in place, every step,
+    without copying a Python list of the whole context (3 ms a request at 16K tokens)."""
+
+    def __init__(self, tokens: list[int]):
+        self._buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
+        self._buf[:len(tokens)] = tokens
+        self._n = len(tokens)
+
+    def append(self, token: int) -> None:
+        if self._n == len(self._buf):
+            self._buf = np.concatenate([self._buf, np.empty_like(self._buf)])
+        self._buf[self._n] = token
+        self._n += 1
+
+    def tail(self, n: int) -> np.ndarray:
+        return self._buf[max(0, self._n - n):self._n]
+
+
+def ngram_propose(tokens: list[int] | TokenHistory, max_n: int = 3, window: int = 4096) -> int | None:
     """Prompt lookup: the token that followed the latest earlier occurrence of the newest
     n-gram (longest n first) in the request's own tokens."""
-    hist = tokens[-window:]
-    for n in range(min(max_n, len(hist) - 1), 0, -1):
-        tail = hist[-n:]
-        for i in range(len(hist) - n - 1, -1, -1):
-            if hist[i:i + n] == tail:
-                return hist[i + n]
+    h = tokens.tail(window) if isinstance(tokens, TokenHistory) else np.asarray(tokens[-window:], dtype=np.int64)
+    L = len(h)
+    for n in range(min(max_n, L - 1), 0, -1):
+        # Starts i = 0 .. L-n-1 (a token follows each): h[i:i+n] equals the newest n tokens.
+        match = np.ones(L - n, dtype=bool)
+        for k in range(n):
+            match &= h[k:k + L - n] == h[L - n + k]
+        hits = np.flatnonzero(match)
+        if hits.size:
+            return int(h[hits[-1] + n])
     return None
 
 
-def next_draft(drafter: str, tokens: list[int], previous_draft: int | None, sampled: int,
+def next_draft(drafter: str, tokens: list[int] | TokenHistory, previous_draft: int | None, sampled: int,
                draft_argmax: int | None) -> int | None:
     """Draft for the step after `sampled` (the newest token, already appended to `tokens`).
 
@@ -28,7 +53,12 @@ def next_draft(drafter: str, tokens: list[int], previous_draft: int | None, samp
     if drafter == "self":
         if previous_draft == sampled and draft_argmax is not None:
             return draft_argmax
-        return ngram_propose(tokens) or sampled
+        return _proposal_or(tokens, sampled)
     if drafter == "ngram":
-        return ngram_propose(tokens) or sampled
+        return _proposal_or(tokens, sampled)
     return None  # prev / ondemand send no draft; oracle sets it by an extra pass
+
+
+def _proposal_or(tokens, sampled: int) -> int:
+    proposal = ngram_propose(tokens)
+    return sampled if proposal is None else proposal

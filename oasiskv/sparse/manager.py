@@ -18,7 +18,7 @@ import torch
 from oasiskv.sparse.block_scores import score_topk
 from oasiskv.sparse.capped_eviction import EvictionPlan, capped_eviction
 from oasiskv.sparse.config import SparseConfig
-from oasiskv.sparse.drafters import next_draft
+from oasiskv.sparse.drafters import TokenHistory, next_draft
 from oasiskv.sparse.host_pool import HostKVPool
 from oasiskv.sparse.summaries import block_minmax, update_block_minmax
 from oasiskv.sparse.working_set import WorkingSet
@@ -141,7 +141,8 @@ class SparseManager:
         # The first sparse step has no draft row to take an argmax from: start the chain with
         # prompt lookup instead of a copy of the current token (a cold start measured in
         # docs/accuracy.md as one step of `prev`-quality prediction).
-        ws.draft = next_draft(cfg.drafter, seq.token_ids, None, seq.token_ids[-1], None)
+        ws.history = TokenHistory(seq.token_ids)
+        ws.draft = next_draft(cfg.drafter, ws.history, None, seq.token_ids[-1], None)
         seq.sparse = ws
         if self.pipeline is not None:
             self.pipeline.adopt(ws, n)

@@ -327,6 +327,10 @@ class PipelineTiming:
         self.start, self.foreground_done, self.joined = ev(), ev(), ev()
         self.layer_done = [ev() for _ in range(num_layers)]
 
+    def stall_seconds(self) -> float:
+        """After a replay and a sync: how long the foreground waited at the join."""
+        return self.foreground_done.elapsed_time(self.joined) / 1e3
+
     def read(self) -> dict:
         """After a replay and a sync: stall (ms) and how many layers finished after the
         foreground (their transfer missed the point where the step could have ended)."""

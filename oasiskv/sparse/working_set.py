@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.drafters import TokenHistory
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SparseStats:
     bytes_to_device: int = 0
     drafts: int = 0  # draft tokens proposed
     drafts_accepted: int = 0  # ... that equalled the real next token
+    stall_s: float = 0.0  # time its steps' foreground waited on the pipeline streams (CUDA pipeline)
 
     def absorb(self, counts: list[int], item_bytes: int) -> None:
         """Add a pipeline row's device counters (hits, missed, admitted, evicted)."""
@@ -50,6 +52,7 @@ class SparseStats:
             "blocks_fetched_per_step": self.admitted / self.steps if self.steps else 0.0,
             "bytes_fetched_per_step": self.bytes_to_device / self.steps if self.steps else 0.0,
             "draft_acceptance": self.drafts_accepted / self.drafts if self.drafts else None,
+            "pipeline_stall_s": self.stall_s,
         }
 
 
@@ -65,6 +68,7 @@ class WorkingSet:
     kmin: torch.Tensor | None  # [L, max_blocks, Hkv, D] summaries
     kmax: torch.Tensor | None
     draft: int | None = None  # the lookahead token proposed for the next step
+    history: TokenHistory | None = None  # the request's tokens, for prompt lookup
     stats: SparseStats = field(default_factory=SparseStats)
     row: int | None = None  # its row of the LookaheadPipeline, when that path runs it
 
