@@ -13,16 +13,16 @@ BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, s
               sparse_threshold=256, fetch_ratio=0.25, host_kv_gb=0.25)
 
 
-@pytest.mark.parametrize("drafter", ["self", "prev"])
-def test_pipeline_matches_inline_path(drafter):
+@pytest.mark.parametrize("drafter,temperature", [("self", 0), ("prev", 0), ("self", 0.8)])
+def test_pipeline_matches_inline_path(drafter, temperature):
     text = open(argparse.__file__).read()
     runs = {}
     for path in ("off", "on"):
         llm = LLM(sparse_pipeline=path, drafter=drafter, **BUDGET)
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[:400], ids[3000:3330]]
-        params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)]
+        params = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=1),
+                  SamplingParams(temperature=temperature, max_tokens=28, ignore_eos=True, seed=2)]
         runs[path] = llm.generate(prompts, params)
         if path == "on":
             assert llm.engine.runner.pipeline is not None and llm.engine.runner.pipeline.num_rows == 0

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from oasiskv.config import EngineConfig
-from oasiskv.engine.sampler import on_device, sample
+from oasiskv.engine.sampler import draw_noise, on_device, sample
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
@@ -271,8 +271,7 @@ class ModelRunner:
         else:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
-            tokens = sample(logits[::Q], params, gens).tolist()
-            draft_argmax = logits[1::Q].argmax(-1).tolist()
+            tokens, guesses = self._sample_with_lookahead(seqs, logits[::Q], logits[1::Q])
         for r in hooks.rows:
             s, ws, tok = seqs[r.batch_index], r.ws, tokens[r.batch_index]
             m.write_through(ws, r.cached)
@@ -282,7 +281,7 @@ class ModelRunner:
                 ws.stats.drafts_accepted += int(ws.draft == tok)
             ws.history.append(tok)
             if hooks.drafter != "oracle":
-                ws.draft = next_draft(hooks.drafter, ws.history, ws.draft, tok, draft_argmax[r.batch_index])
+                ws.draft = next_draft(hooks.drafter, ws.history, ws.draft, tok, guesses[r.batch_index])
         return tokens
 
     # ---- execution ----------------------------------------------------------------------
@@ -345,11 +344,10 @@ class ModelRunner:
         hidden = step.run(on_device(ids, dev))
         rows = on_device([s.sparse.row for s in seqs], dev)
         logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
-        tokens = sample(logits[0::2], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-        draft_argmax = logits[1::2].argmax(-1).tolist()
+        tokens, guesses = self._sample_with_lookahead(seqs, logits[0::2], logits[1::2])
         drafter = self.sparse.cfg.drafter
         stall = p.timing.stall_seconds() if p.timing is not None else 0.0  # the step has synced
-        for s, tok, guess in zip(seqs, tokens, draft_argmax):
+        for s, tok, guess in zip(seqs, tokens, guesses):
             ws = s.sparse
             ws.stats.steps += 1
             ws.stats.stall_s += stall
@@ -359,6 +357,32 @@ class ModelRunner:
             ws.history.append(tok)
             ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)
         return tokens
+
+    def _sample_with_lookahead(self, seqs: list[Sequence], token_logits: torch.Tensor,
+                               draft_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """A two-row step's tokens (real rows) and guesses (draft rows: the next draft if the
+        chain holds). A sampled sparse request draws each position's noise one step early
+        (`ws.noise`, see `sample`): its draft row samples with the noise its real row will use
+        at the next step, so while the chain holds the draft is the very token sampling will
+        pick, as the argmax is under greedy. Each request's stream of draws keeps its order
+        (one position after another), so a seeded request samples as it does in dense decode."""
+        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
+        if all(p.greedy for p in params):
+            return sample(token_logits, params, gens).tolist(), draft_logits.argmax(-1).tolist()
+        vocab, dev = token_logits.shape[-1], token_logits.device
+        held = [s.sparse.noise if s.sparse is not None else None for s in seqs]
+        missing = [i for i, n in enumerate(held) if n is None]
+        if missing:  # dense rows, and a request's first sparse step
+            for i, row in zip(missing, draw_noise([gens[i] for i in missing], vocab, dev)):
+                held[i] = row
+        tokens = sample(token_logits, params, gens, noise=torch.stack(held)).tolist()
+        # The next position's noise; a dense row's own stream is left alone.
+        ahead = draw_noise([s.generator if s.sparse is not None else None for s in seqs], vocab, dev)
+        guesses = sample(draft_logits, params, gens, noise=ahead, processors=False).tolist()
+        for s, row in zip(seqs, ahead):
+            if s.sparse is not None:
+                s.sparse.noise = row
+        return tokens, guesses
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):

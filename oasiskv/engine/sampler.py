@@ -7,9 +7,17 @@ from oasiskv.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits: [B, V] float32 -> token ids [B] (long, on logits' device)."""
-    logits = apply_logits_processors(logits, params)
+           generators: list[torch.Generator | None], noise: torch.Tensor | None = None,
+           processors: bool = True) -> torch.Tensor:
+    """logits: [B, V] float32 -> token ids [B] (long, on logits' device).
+
+    noise: [B, V] Exp(1) draws to sample with instead of fresh ones (`draw_noise`). The sampled
+    token is a deterministic function of the logits and the noise, so a lookahead drafter that
+    draws a position's noise one step early can sample its draft with it and propose the very
+    token sampling will pick there. processors=False skips the requests' logits processors
+    (they belong to the real row, not to a draft row)."""
+    if processors:
+        logits = apply_logits_processors(logits, params)
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy
@@ -18,14 +26,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         probs = _top_k_top_p(probs, params)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; seeded rows use their own stream.
-    noise = torch.empty_like(probs).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i] = torch.empty(probs.shape[1], device=dev).exponential_(generator=g)
+    if noise is None:
+        noise = draw_noise(generators, probs.shape[1], dev)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = on_device([p.greedy for p in params], dev)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def draw_noise(generators: list[torch.Generator | None], vocab: int, dev: torch.device) -> torch.Tensor:
+    """[B, vocab] Exp(1) draws, one row per request; seeded requests draw from their own stream."""
+    noise = torch.empty(len(generators), vocab, device=dev).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
+    return noise
 
 
 def on_device(values: list, dev: torch.device) -> torch.Tensor:

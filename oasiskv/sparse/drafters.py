@@ -44,15 +44,17 @@ def ngram_propose(tokens: list[int] | TokenHistory, max_n: int = 3, window: int 
 
 
 def next_draft(drafter: str, tokens: list[int] | TokenHistory, previous_draft: int | None, sampled: int,
-               draft_argmax: int | None) -> int | None:
+               draft_guess: int | None) -> int | None:
     """Draft for the step after `sampled` (the newest token, already appended to `tokens`).
 
-    `self`: the draft position's own argmax is the model's greedy next token if the draft was
-    right; while the chain is broken, fall back to prompt lookup (or the token itself).
+    `self`: if the draft was right, the draft row saw the true context, and its own token
+    (`draft_guess`: the argmax under greedy, a sample with the next position's noise under
+    sampling) is the model's next token; while the chain is broken, fall back to prompt
+    lookup (or the token itself).
     """
     if drafter == "self":
-        if previous_draft == sampled and draft_argmax is not None:
-            return draft_argmax
+        if previous_draft == sampled and draft_guess is not None:
+            return draft_guess
         return _proposal_or(tokens, sampled)
     if drafter == "ngram":
         return _proposal_or(tokens, sampled)

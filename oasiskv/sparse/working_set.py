@@ -69,6 +69,7 @@ class WorkingSet:
     kmax: torch.Tensor | None
     draft: int | None = None  # the lookahead token proposed for the next step
     history: TokenHistory | None = None  # the request's tokens, for prompt lookup
+    noise: torch.Tensor | None = None  # [V] sampling noise of the next position, drawn a step early
     stats: SparseStats = field(default_factory=SparseStats)
     row: int | None = None  # its row of the LookaheadPipeline, when that path runs it
 
