@@ -10,17 +10,17 @@ import numpy as np
 import torch
 
 from oasiskv.config import EngineConfig
-from oasiskv.engine.sampler import draw_noise, on_device, sample
+from oasiskv.engine.sampler import on_device, sample
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
+from oasiskv.engine.sparse_decode import SparseDecodeMixin
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
-from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
-from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
+from oasiskv.sparse.step_hooks import SparseStepHooks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_GB = 2.0
@@ -32,7 +32,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class ModelRunner:
+class ModelRunner(SparseDecodeMixin):
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.device = pick_device(cfg.device)
@@ -176,18 +176,6 @@ class ModelRunner:
         return (torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device),
                 meta, logits_rows)
 
-    def _query_buffer(self, seq: Sequence) -> torch.Tensor:
-        mc = self.model_config
-        buf = torch.empty(mc.num_layers, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
-        self.pending_conversions.append((seq, buf))
-        return buf
-
-    def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
-        """A batch takes the two-row sparse path only if a request in it is sparse or converts
-        after this step; otherwise it is a plain dense step (CUDA graphs, one row each)."""
-        m = self.sparse
-        return m is not None and any(s.sparse is not None or m.should_convert(s, s.num_tokens) for s in seqs)
-
     def prepare_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """ids: the input tokens already on the device (async scheduling: the last step's
         samples, not yet read by the host); default: each sequence's newest token."""
@@ -210,79 +198,6 @@ class ModelRunner:
         if ids is None:
             ids = on_device([s.token_ids[-1] for s in seqs], self.device)
         return ids, pos, meta
-
-    def prepare_mixed_decode(self, seqs: list[Sequence]):
-        """Dense and sparse requests in one batch: two query rows per request (the token and
-        its lookahead draft; a dense request's second row is padding), per-layer slot tables."""
-        m, L, H, bs, Q = self.sparse, self.model_config.num_layers, self.num_kv_heads, self.block_size, 2
-        B = len(seqs)
-        width = max(m.cfg.working_set_blocks if s.sparse else len(s.pages) for s in seqs)
-        slot_tables = torch.zeros(L, B, H, width, dtype=torch.int32)
-        cache_lens = torch.zeros(L, B, H, dtype=torch.int32)
-        ids, pos, wslots, woffs, rows, record = [], [], [], [], [], {}
-        heads = torch.arange(H)
-        last_pos = self.model_config.max_position_embeddings - 1
-        for b, s in enumerate(seqs):
-            n, tok = s.num_tokens - 1, s.token_ids[-1]
-            draft = s.sparse.draft if s.sparse is not None and s.sparse.draft is not None else tok
-            ids += [tok, draft]
-            pos += [n, min(n + 1, last_pos)]
-            woffs += [n % bs, 0]
-            if s.sparse is None:
-                page = s.pages[n // bs]
-                wslots += [[page * H + h for h in range(H)], [-1] * H]
-                pt = torch.tensor(s.pages)
-                slot_tables[:, b, :, :len(s.pages)] = (pt[None, :] * H + heads[:, None]).int()
-                cache_lens[:, b] = n
-                if m.should_convert(s, n + 1):
-                    record[b * Q] = self._query_buffer(s)
-            else:
-                m.start_token(s.sparse, n)
-                wslots += [m.write_slots(s.sparse, n), [-1] * H]
-                st, cl = m.attention_tables(s.sparse, n)
-                slot_tables[:, b, :, :st.shape[-1]] = st
-                cache_lens[:, b] = cl
-                rows.append(SparseRow(b, s.sparse, n))
-        dev = self.device
-        meta = AttentionMetadata(
-            write_slots=torch.tensor(wslots, dtype=torch.int32, device=dev),
-            write_offsets=torch.tensor(woffs, dtype=torch.int32, device=dev),
-            slot_tables=slot_tables.to(dev), cache_lens=cache_lens.to(dev), query_len=Q,
-            hooks=SparseStepHooks(m, rows, Q, m.cfg.drafter, record_rows=record))
-        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
-
-    def run_sparse_decode(self, seqs: list[Sequence]) -> list[int]:
-        """One decode step of a batch holding sparse requests (eager; in-line prefetch)."""
-        m = self.sparse
-        m.step += 1
-        ids, positions, meta = self.prepare_decode(seqs)
-        hooks, Q = meta.hooks, meta.query_len
-        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
-        if hooks.drafter == "oracle" and hooks.rows:
-            # Evaluation only: a first pass finds the true next token, the second uses it as draft.
-            hooks.prefetch = False
-            hidden = self.model(ids, positions, self.kv_caches, meta)
-            tokens = sample(self.model.compute_logits(hidden[::Q]), params, gens).tolist()
-            for r in hooks.rows:
-                ids[r.batch_index * Q + 1] = tokens[r.batch_index]
-                r.ws.draft = tokens[r.batch_index]
-            hooks.prefetch, hooks.record_rows = True, {}
-            self.model(ids, positions, self.kv_caches, meta)
-        else:
-            hidden = self.model(ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden)
-            tokens, guesses = self._sample_with_lookahead(seqs, logits[::Q], logits[1::Q])
-        for r in hooks.rows:
-            s, ws, tok = seqs[r.batch_index], r.ws, tokens[r.batch_index]
-            m.write_through(ws, r.cached)
-            ws.stats.steps += 1
-            if hooks.drafter in ("self", "ngram", "oracle"):
-                ws.stats.drafts += 1
-                ws.stats.drafts_accepted += int(ws.draft == tok)
-            ws.history.append(tok)
-            if hooks.drafter != "oracle":
-                ws.draft = next_draft(hooks.drafter, ws.history, ws.draft, tok, guesses[r.batch_index])
-        return tokens
 
     # ---- execution ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -307,82 +222,6 @@ class ModelRunner:
                             [s.generator for s in sampling_seqs]).tolist()
         by_seq = {id(s): t for s, t in zip(sampling_seqs, tokens)}
         return [by_seq.get(id(s)) for s in batch.seqs]
-
-    def run_with_pipeline(self, seqs: list[Sequence]) -> list[int]:
-        """Sparse requests step through the pipeline; dense ones (if any) through the dense path."""
-        sparse = [s for s in seqs if s.sparse is not None]
-        dense = [s for s in seqs if s.sparse is None]
-        tokens = {}
-        if dense:
-            if self.needs_sparse_step(dense):  # one of them converts after this step
-                got = self.run_sparse_decode(dense)
-            else:
-                got = sample(self.model.compute_logits(self.run_decode(dense)), [s.params for s in dense],
-                             [s.generator for s in dense]).tolist()
-            tokens.update(zip(map(id, dense), got))
-        tokens.update(zip(map(id, sparse), self.run_pipeline_decode(sparse)))
-        return [tokens[id(s)] for s in seqs]
-
-    def run_pipeline_decode(self, seqs: list[Sequence]) -> list[int]:
-        """One step of the sparse requests: the pipeline's used rows run as one bucket (rows of
-        requests not in this batch, and padding, are inactive: they write and fetch nothing)."""
-        p, dev = self.pipeline, self.device
-        use_graph = dev.type == "cuda" and not self.cfg.enforce_eager
-        n = p.num_rows
-        bucket = next((b for b in self._graph_buckets() if b >= n), n) if use_graph else n
-        step = self.pipeline_steps.get(bucket)
-        if step is None:
-            step = self.pipeline_steps[bucket] = SparseDecodeStep(
-                self.model, self.kv_caches, p, self.model_config.max_position_embeddings, use_graph, rows=bucket)
-        ids = [0] * (2 * bucket)
-        active = [False] * bucket
-        for s in seqs:
-            r, tok, draft = s.sparse.row, s.token_ids[-1], s.sparse.draft
-            ids[2 * r], ids[2 * r + 1] = tok, draft if draft is not None else tok
-            active[r] = True
-        p.active[:bucket].copy_(on_device(active, dev))
-        hidden = step.run(on_device(ids, dev))
-        rows = on_device([s.sparse.row for s in seqs], dev)
-        logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
-        tokens, guesses = self._sample_with_lookahead(seqs, logits[0::2], logits[1::2])
-        drafter = self.sparse.cfg.drafter
-        stall = p.timing.stall_seconds() if p.timing is not None else 0.0  # the step has synced
-        for s, tok, guess in zip(seqs, tokens, guesses):
-            ws = s.sparse
-            ws.stats.steps += 1
-            ws.stats.stall_s += stall
-            if drafter in USES_DRAFT_TOKEN:
-                ws.stats.drafts += 1
-                ws.stats.drafts_accepted += int(ws.draft == tok)
-            ws.history.append(tok)
-            ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)
-        return tokens
-
-    def _sample_with_lookahead(self, seqs: list[Sequence], token_logits: torch.Tensor,
-                               draft_logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """A two-row step's tokens (real rows) and guesses (draft rows: the next draft if the
-        chain holds). A sampled sparse request draws each position's noise one step early
-        (`ws.noise`, see `sample`): its draft row samples with the noise its real row will use
-        at the next step, so while the chain holds the draft is the very token sampling will
-        pick, as the argmax is under greedy. Each request's stream of draws keeps its order
-        (one position after another), so a seeded request samples as it does in dense decode."""
-        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
-        if all(p.greedy for p in params):
-            return sample(token_logits, params, gens).tolist(), draft_logits.argmax(-1).tolist()
-        vocab, dev = token_logits.shape[-1], token_logits.device
-        held = [s.sparse.noise if s.sparse is not None else None for s in seqs]
-        missing = [i for i, n in enumerate(held) if n is None]
-        if missing:  # dense rows, and a request's first sparse step
-            for i, row in zip(missing, draw_noise([gens[i] for i in missing], vocab, dev)):
-                held[i] = row
-        tokens = sample(token_logits, params, gens, noise=torch.stack(held)).tolist()
-        # The next position's noise; a dense row's own stream is left alone.
-        ahead = draw_noise([s.generator if s.sparse is not None else None for s in seqs], vocab, dev)
-        guesses = sample(draft_logits, params, gens, noise=ahead, processors=False).tolist()
-        for s, row in zip(seqs, ahead):
-            if s.sparse is not None:
-                s.sparse.noise = row
-        return tokens, guesses
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):

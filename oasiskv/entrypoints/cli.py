@@ -72,7 +72,7 @@ def format_kv_stats(out, engine) -> str:
         f"--- {st['sparse_steps']} sparse steps: {st['blocks_fetched_per_step']:.1f} (block, head) items "
         f"= {st['bytes_fetched_per_step'] / 1024:.1f} KiB fetched per step across {mc.num_layers} layers; "
         f"lookahead hit rate {100 * (st['hit_rate'] or 0):.1f}%",
-        f"--- draft acceptance: " + (f"{100 * st['draft_acceptance']:.1f}%" if st["draft_acceptance"] is not None
+        "--- draft acceptance: " + (f"{100 * st['draft_acceptance']:.1f}%" if st["draft_acceptance"] is not None
                                      else "n/a (this drafter sends no draft)"),
     ])
 

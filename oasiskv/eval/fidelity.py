@@ -14,6 +14,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
