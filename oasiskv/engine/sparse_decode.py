@@ -89,20 +89,14 @@ class SparseDecodeMixin:
                 r.ws.draft = tokens[r.batch_index]
             hooks.prefetch, hooks.record_rows = True, {}
             self.model(ids, positions, self.kv_caches, meta)
+            guesses = [None] * len(seqs)  # the oracle's draft is set by the first pass
         else:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
             tokens, guesses = self._sample_with_lookahead(seqs, logits[::Q], logits[1::Q])
         for r in hooks.rows:
-            ws, tok = r.ws, tokens[r.batch_index]
-            m.write_through(ws, r.cached)
-            ws.stats.steps += 1
-            if hooks.drafter in ("self", "ngram", "oracle"):
-                ws.stats.drafts += 1
-                ws.stats.drafts_accepted += int(ws.draft == tok)
-            ws.history.append(tok)
-            if hooks.drafter != "oracle":
-                ws.draft = next_draft(hooks.drafter, ws.history, ws.draft, tok, guesses[r.batch_index])
+            m.write_through(r.ws, r.cached)
+            self._advance(r.ws, hooks.drafter, tokens[r.batch_index], guesses[r.batch_index])
         return tokens
 
     def run_with_pipeline(self, seqs: list[Sequence]) -> list[int]:
@@ -142,18 +136,23 @@ class SparseDecodeMixin:
         rows = on_device([s.sparse.row for s in seqs], dev)
         logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
         tokens, guesses = self._sample_with_lookahead(seqs, logits[0::2], logits[1::2])
-        drafter = self.sparse.cfg.drafter
         stall = p.timing.stall_seconds() if p.timing is not None else 0.0  # the step has synced
         for s, tok, guess in zip(seqs, tokens, guesses):
-            ws = s.sparse
-            ws.stats.steps += 1
-            ws.stats.stall_s += stall
-            if drafter in USES_DRAFT_TOKEN:
-                ws.stats.drafts += 1
-                ws.stats.drafts_accepted += int(ws.draft == tok)
-            ws.history.append(tok)
-            ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)
+            s.sparse.stats.stall_s += stall
+            self._advance(s.sparse, self.sparse.cfg.drafter, tok, guess)
         return tokens
+
+    @staticmethod
+    def _advance(ws, drafter: str, tok: int, guess: int | None) -> None:
+        """After a step: count it and whether its draft was right, then pick the next draft
+        (the oracle's comes from its own first pass instead)."""
+        ws.stats.steps += 1
+        if drafter in USES_DRAFT_TOKEN:
+            ws.stats.drafts += 1
+            ws.stats.drafts_accepted += int(ws.draft == tok)
+        ws.history.append(tok)
+        if drafter != "oracle":
+            ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)
 
     def _sample_with_lookahead(self, seqs: list[Sequence], token_logits: torch.Tensor,
                                draft_logits: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -165,18 +164,20 @@ class SparseDecodeMixin:
         (one position after another), so a seeded request samples as it does in dense decode."""
         params, gens = [s.params for s in seqs], [s.generator for s in seqs]
         if all(p.greedy for p in params):
-            return sample(token_logits, params, gens).tolist(), draft_logits.argmax(-1).tolist()
+            tokens, guesses = torch.stack([sample(token_logits, params, gens), draft_logits.argmax(-1)]).tolist()
+            return tokens, guesses
         vocab, dev = token_logits.shape[-1], token_logits.device
         held = [s.sparse.noise if s.sparse is not None else None for s in seqs]
         missing = [i for i, n in enumerate(held) if n is None]
         if missing:  # dense rows, and a request's first sparse step
             for i, row in zip(missing, draw_noise([gens[i] for i in missing], vocab, dev)):
                 held[i] = row
-        tokens = sample(token_logits, params, gens, noise=torch.stack(held)).tolist()
+        tokens = sample(token_logits, params, gens, noise=torch.stack(held))
         # The next position's noise; a dense row's own stream is left alone.
         ahead = draw_noise([s.generator if s.sparse is not None else None for s in seqs], vocab, dev)
-        guesses = sample(draft_logits, params, gens, noise=ahead, processors=False).tolist()
+        guesses = sample(draft_logits, params, gens, noise=ahead, processors=False)
         for s, row in zip(seqs, ahead):
             if s.sparse is not None:
                 s.sparse.noise = row
+        tokens, guesses = torch.stack([tokens, guesses]).tolist()  # one read back to the host
         return tokens, guesses

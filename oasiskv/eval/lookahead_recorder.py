@@ -111,15 +111,11 @@ def block_attention_mass(manager, ws, layer: int, query: torch.Tensor, cached: i
     leave the window, which the window ring still holds; each block counts once."""
     m = manager
     bs, H, G, D = m.block_size, m.Hkv, m.G, m.D
-    blocks = ws.blocks[layer].long().clone()  # [H, P]
-    for h in range(H):  # drop repeats: keep each block's first position
-        ids = blocks[h].tolist()
-        seen = set()
-        for p, b in enumerate(ids):
-            if b in seen:
-                blocks[h, p] = -1
-            seen.add(b)
+    blocks = ws.blocks[layer].long()  # [H, P]
     P = blocks.shape[1]
+    # Drop repeats, keeping each block's first position: a position repeats if an earlier one holds its block.
+    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, None, :] >= 0)  # [H, P, P]
+    blocks = blocks.masked_fill((same & torch.ones(P, P, dtype=torch.bool).tril(-1)).any(-1), -1)
     nb = cached // bs + 1
     held = torch.zeros(H, nb + 1, dtype=torch.long).scatter_add_(
         1, torch.where(blocks >= 0, blocks, nb), torch.ones_like(blocks))[:, :nb]
