@@ -81,6 +81,28 @@ def test_paged_decode_torch_matches_ref(case):
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+def test_paged_decode_torch_ignores_what_unwritten_slots_hold():
+    """The pool is never cleared: slots past a list's cache length may hold inf or NaN from
+    earlier use of the memory. They must not reach the output (0 * inf is NaN)."""
+    from oasiskv.kernels.paged_decode import paged_decode_torch
+    B, Hkv, G, Q, D, max_blocks, bs = 2, 2, 3, 2, 64, 5, 16
+    q, k_new, v_new, kv_cache, tables, _ = make_decode_inputs(B, Hkv, G, Q, D, max_blocks, torch.float32, seed=7)
+    lens = torch.tensor([[bs + 3, 2 * bs + 9], [5, 3 * bs + 1]], dtype=torch.int32)  # partial last blocks
+    # Every list names distinct real slots, past its length too.
+    gen = torch.Generator().manual_seed(8)
+    tables = torch.randperm(kv_cache.shape[0], generator=gen)[:B * Hkv * max_blocks].view(B, Hkv, -1).int()
+    want = paged_decode_ref(q, k_new, v_new, kv_cache, tables, lens, D ** -0.5)
+    poisoned = kv_cache.clone()
+    for b in range(B):
+        for h in range(Hkv):
+            flat = poisoned[tables[b, h].long()].transpose(0, 1).reshape(2, -1, D)  # [2, tokens, D]
+            flat[:, int(lens[b, h]):] = float("nan")
+            flat[1, int(lens[b, h]):int(lens[b, h]) + 1] = float("inf")
+            poisoned[tables[b, h].long()] = flat.view(2, max_blocks, bs, D).transpose(0, 1)
+    got = paged_decode_torch(q, k_new, v_new, poisoned, tables, lens, D ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_dispatch_on_cpu_uses_torch_paths():
     from oasiskv.kernels.paged_decode import paged_decode
     from oasiskv.kernels.store_kv import store_kv

@@ -70,7 +70,11 @@ def paged_decode_torch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
         vals = vals_all.index_select(0, slots).view(B, Hkv, -1, D).float()
         sc = torch.matmul(qf, keys.transpose(-1, -2))  # [B, Hkv, G*Q, chunk tokens]
         pos = torch.arange(c0 * bs, c1 * bs, device=q.device)
-        sc.masked_fill_(pos >= lens, float("-inf"))
+        past = pos >= lens  # [B, Hkv, 1, chunk tokens]
+        sc.masked_fill_(past, float("-inf"))
+        # Unwritten slots hold whatever the pool's memory held (it is never cleared): a weight
+        # of 0 times an inf or NaN there is NaN, so those values are zeroed, not just unweighted.
+        vals.masked_fill_(past.transpose(-1, -2), 0.0)
         m_new = torch.maximum(m, sc.amax(-1, keepdim=True))
         alpha = torch.exp(m - m_new)
         p = torch.exp(sc - m_new)
