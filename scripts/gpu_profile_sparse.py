@@ -1,0 +1,103 @@
+"""Where a long-context decode step's GPU time goes, kernel by kernel: torch.profiler over the
+`bench decode` steps (CUDA-graph replays), for dense, the sparse foreground alone (pipeline
+stages off) and sparse with the pipeline. Per mode: the kernels by GPU time per step, and the
+chrome trace of a few steps (to see what overlaps what).
+
+PYTHONPATH=. python3 scripts/gpu_profile_sparse.py [--context 32768] [--batch 16] [--modes dense,fg,sparse]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from oasiskv.bench.decode import DecodeBench, add_decode_args  # noqa: E402
+from oasiskv.entrypoints.args import add_engine_args  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class ProfiledBench(DecodeBench):
+    """`bench decode` whose timed steps run under the profiler (after its own warm-up)."""
+    label = ""
+    tables: dict = {}
+
+    def _time(self, step, counters=None):
+        for _ in range(self.args.warmup):
+            step()
+        _sync()
+        n = self.args.steps
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                step()
+            _sync()
+        out = os.environ.get("OUT", "out")
+        if self.label:
+            prof.export_chrome_trace(os.path.join(out, f"trace_{self.label}.json"))
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            self_t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            if self_t > 0 and e.count >= n:
+                rows.append({"name": e.key[:90], "us_per_step": self_t / n, "calls_per_step": e.count / n})
+        rows.sort(key=lambda r: -r["us_per_step"])
+        self.tables[self.label] = rows
+        total = sum(r["us_per_step"] for r in rows)
+        print(f"--- {self.label}: {total / 1e3:.2f} ms of kernel time per step (summed over streams)")
+        for r in rows[:30]:
+            print(f"{r['us_per_step']:9.1f} us {r['calls_per_step']:6.0f}x  {r['name']}")
+        # the step time itself comes from the same steps without the profiler
+        for _ in range(2):
+            step()
+        _sync()
+        return _plain_time(self, step, counters)
+
+
+def _plain_time(bench, step, counters):
+    import time
+    before = counters() if counters else None
+    t0 = time.perf_counter()
+    for _ in range(bench.args.steps):
+        step()
+    _sync()
+    seconds = (time.perf_counter() - t0) / bench.args.steps
+    return (seconds, (before, counters())) if counters else seconds
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_decode_args(ap)
+    add_engine_args(ap)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--modes", default="dense,fg,sparse")
+    a = ap.parse_args(["--model", "qwen3-8b", "--load-format", "dummy", "--host-kv-gb", "82",
+                       "--steps", "8", "--warmup", "4"] + sys.argv[1:])
+    a.context_len, a.batch_size = a.context, a.batch
+    os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
+    bench = ProfiledBench(a)
+    results = {}
+    for mode in a.modes.split(","):
+        bench.label = f"{mode}_b{a.batch}_{a.context // 1024}k"
+        if mode == "dense":
+            res = bench.run_dense(a.batch, a.context)
+        else:
+            res = bench.run_sparse(a.batch, a.context, prefetch=mode != "fg")
+        results[bench.label] = res
+        print(json.dumps({k: res.get(k) for k in ("mode", "step_ms", "output_tok_s", "roofline_fraction",
+                                                 "stall_fraction", "foreground_ms")}), flush=True)
+    out = os.environ.get("OUT", "out")
+    with open(os.path.join(out, "sparse_profile.json"), "w") as f:
+        json.dump({"results": results, "kernels": bench.tables}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
