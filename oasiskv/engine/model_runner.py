@@ -184,10 +184,11 @@ class ModelRunner(SparseDecodeMixin):
         B, Hkv = len(seqs), self.num_kv_heads
         positions = np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64)
         slots, offsets = self._write_locations([s.pages for s in seqs], positions, np.arange(B))
-        nblk = max(len(s.pages) for s in seqs)
+        arrays = [s.page_array() for s in seqs]
+        nblk = max(len(a) for a in arrays)
         page_table = np.zeros((B, nblk), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            page_table[i, :len(s.pages)] = s.pages
+        for i, a in enumerate(arrays):
+            page_table[i, :len(a)] = a
         pt = self._h2d(page_table)
         # Dense request: head h of block j lives at slot page_table[j] * Hkv + h (DESIGN §2).
         slot_tables = (pt[:, None, :] * Hkv + torch.arange(Hkv, device=self.device)[None, :, None]).int()
@@ -196,7 +197,7 @@ class ModelRunner(SparseDecodeMixin):
         meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, slot_tables=slot_tables,
                                  cache_lens=cache_lens, query_len=1)
         if ids is None:
-            ids = on_device([s.token_ids[-1] for s in seqs], self.device)
+            ids = on_device([s.last_token_id for s in seqs], self.device)
         return ids, pos, meta
 
     # ---- execution ----------------------------------------------------------------------

@@ -44,7 +44,7 @@ class SparseDecodeMixin:
         heads = torch.arange(H)
         last_pos = self.model_config.max_position_embeddings - 1
         for b, s in enumerate(seqs):
-            n, tok = s.num_tokens - 1, s.token_ids[-1]
+            n, tok = s.num_tokens - 1, s.last_token_id
             draft = s.sparse.draft if s.sparse is not None and s.sparse.draft is not None else tok
             ids += [tok, draft]
             pos += [n, min(n + 1, last_pos)]
@@ -128,7 +128,7 @@ class SparseDecodeMixin:
         ids = [0] * (2 * bucket)
         active = [False] * bucket
         for s in seqs:
-            r, tok, draft = s.sparse.row, s.token_ids[-1], s.sparse.draft
+            r, tok, draft = s.sparse.row, s.last_token_id, s.sparse.draft
             ids[2 * r], ids[2 * r + 1] = tok, draft if draft is not None else tok
             active[r] = True
         p.active[:bucket].copy_(on_device(active, dev))

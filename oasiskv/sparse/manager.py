@@ -142,7 +142,7 @@ class SparseManager:
         # prompt lookup instead of a copy of the current token (a cold start measured in
         # docs/accuracy.md as one step of `prev`-quality prediction).
         ws.history = TokenHistory(seq.token_ids)
-        ws.draft = next_draft(cfg.drafter, ws.history, None, seq.token_ids[-1], None)
+        ws.draft = next_draft(cfg.drafter, ws.history, None, seq.last_token_id, None)
         seq.sparse = ws
         if self.pipeline is not None:
             self.pipeline.adopt(ws, n)
