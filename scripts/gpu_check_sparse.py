@@ -27,7 +27,8 @@ import torch
 from oasiskv.bench.roofline import HBM_BYTES_PER_S
 from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_triton,
                                          score_blocks_ref, score_blocks_torch,
-                                         score_blocks_triton, score_topk_triton, topk_blocks)
+                                         score_blocks_triton, score_select_triton, score_topk_triton,
+                                         topk_blocks)
 from oasiskv.sparse.capped_eviction import capped_eviction
 
 PEAK_TBS = HBM_BYTES_PER_S / 1e12
@@ -117,6 +118,14 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
         bad = topk_mismatches(ids, ref, k)
         record(f"scores {combine} {name}", err < 1e-5 and same_inf and bad == 0,
                rel_err=f"{err:.1e}", inf_pattern=same_inf, topk_rows_differ=bad)
+    # The pipeline's fused combine + select: the same set as top-K, each id with its score.
+    ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
+    ids, vals = score_select_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile, **kw)
+    bad = topk_mismatches(ids, ref, k)
+    paired = torch.where(ids >= 0, ref.gather(2, ids.long().clamp_min(0)), vals)
+    vals_ok = bool(torch.allclose(paired, vals, rtol=1e-5, atol=1e-5 * scale)) and bool(
+        ((ids < 0) == (vals == float("-inf"))).all())
+    record(f"select {name}", bad == 0 and vals_ok, topk_rows_differ=bad, vals_match_scores=vals_ok)
 
 
 def eviction_inputs(R, K, P, num_blocks, seed=0):
@@ -233,6 +242,10 @@ def run_timings(R=16, max_blocks=2048, k=128):
     rows.append(("score+topk combine=sum (best config)", bench(lambda: score_topk_triton(
         q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=best["tile"], combine="sum")), best))
     rows.append((f"torch.topk only, k={k}", bench(lambda: topk_blocks(out, k)), {}))
+    sel = (torch.empty(R * HKV, k, dtype=torch.int32, device=DEV), torch.empty(R * HKV, k, device=DEV))
+    for tile in (32, 64, 128):
+        rows.append((f"fused select k={k} tile{tile}", bench(lambda: score_select_triton(
+            q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=tile, out=sel)), dict(tile=tile)))
     for kk in (64, 256):
         rows.append((f"score+topk k={kk} (best config)", bench(lambda: score_topk_triton(
             q, kmin, kmax, off, nb, G, kk, max_blocks, block_tile=best["tile"])), best))

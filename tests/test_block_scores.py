@@ -178,7 +178,7 @@ def run_interpreter_cases() -> dict:
     each combine's scores against the reference (error relative to the bounds' scale), and
     whether the top-K sets agree with the reference's (up to ties)."""
     from oasiskv.sparse.block_scores import (head_bounds_triton, score_blocks_triton,
-                                             score_topk_triton)
+                                             score_select_triton, score_topk_triton)
     results = {}
     for name, (R, Hkv, G, D, nbs, dtype, kw) in TRITON_CASES.items():
         q, kmin, kmax, off, nb, _ = make_inputs(R, Hkv, G, D, nbs, dtype, seed=len(name))
@@ -198,6 +198,15 @@ def run_interpreter_cases() -> dict:
                             "topk_agree": topk_agrees(ids, ref, K),
                             "vals_match_scores": bool(torch.equal(
                                 torch.where(ids >= 0, out.gather(2, ids.long().clamp_min(0)), vals), vals))}
+        # The fused combine + select (shifted max): the same set, each id with its score.
+        ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
+        for k in (K, MAX_BLOCKS + 3):  # also more than the row has: -1 / -inf padding
+            ids, vals = score_select_triton(q, kmin, kmax, off, nb, G, k, MAX_BLOCKS, block_tile=TILE, **kw)
+            got = ref.gather(2, ids.long().clamp_min(0))
+            res[f"select_k{k}"] = {"topk_agree": topk_agrees(ids, ref, k),
+                                   "vals_match_scores": bool(torch.allclose(
+                                       torch.where(ids >= 0, got, vals), vals, rtol=1e-5, atol=1e-5 * scale)),
+                                   "padding": bool(((ids < 0) == (vals == float("-inf"))).all())}
         results[name] = res
     return results
 
@@ -214,6 +223,8 @@ def test_score_triton_interpreter(interpreter_results, name):
     for combine in COMBINES:
         c = res[combine]
         assert c["rel_err"] < REL_TOL and c["topk_agree"] and c["vals_match_scores"], res
+    for k in (K, MAX_BLOCKS + 3):
+        assert all(res[f"select_k{k}"].values()), res
 
 
 if __name__ == "__main__":

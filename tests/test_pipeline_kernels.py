@@ -43,20 +43,29 @@ def run_interpreter_cases() -> dict[str, float]:
     gen = torch.Generator().manual_seed(7)
     for name, (reqs, heads, K, P, blocks, cap, sinks) in EVICTION_CASES.items():
         res, last, pred, win = random_eviction_inputs(reqs, heads, K, P, blocks, sinks, gen)
-        state = {"torch": (res.clone(), last.clone()), "triton": (res.clone(), last.clone())}
+        state = {impl: (res.clone(), last.clone()) for impl in ("torch", "triton", "triton_ranked", "torch_ranked")}
         mismatches = 0
         for step in range(1, 5):  # several steps: each starts from the state the last left
             if step > 1:
                 _, _, pred, win = random_eviction_inputs(reqs, heads, K, P, blocks, sinks, gen)
+            # The same prediction as an unordered set with scores (the fused top-K's output).
+            scores = torch.where(pred >= 0, -torch.arange(P, dtype=torch.float32), float("-inf"))
+            shuffle = torch.rand(pred.shape, generator=gen).argsort(1)
+            ranked = (pred.gather(1, shuffle).contiguous(), scores.gather(1, shuffle).contiguous())
             outs = {}
-            for impl, fn in (("torch", capped_eviction_), ("triton", _capped_eviction_triton)):
+            for impl, fn, args in (("torch", capped_eviction_, (pred,)),
+                                   ("triton", _capped_eviction_triton, (pred,)),
+                                   ("triton_ranked", _capped_eviction_triton, ranked),
+                                   ("torch_ranked", capped_eviction_, ranked)):
                 r, l = state[impl]
                 ab = torch.full((reqs * heads, cap), -1, dtype=torch.int32)
                 asl = torch.full_like(ab, -1)
                 stats = torch.zeros(reqs * heads, 4, dtype=torch.long)
-                fn(r, l, pred, sinks, win, heads, cap, torch.tensor(step, dtype=torch.int32), ab, asl, stats)
+                fn(r, l, args[0], sinks, win, heads, cap, torch.tensor(step, dtype=torch.int32), ab, asl, stats,
+                   *args[1:])
                 outs[impl] = (r, l, ab, asl, stats)
-            mismatches += sum(not torch.equal(a.long(), b.long()) for a, b in zip(outs["torch"], outs["triton"]))
+            for impl in ("triton", "triton_ranked", "torch_ranked"):
+                mismatches += sum(not torch.equal(a.long(), b.long()) for a, b in zip(outs["torch"], outs[impl]))
         errors["evict_" + name] = float(mismatches)
     for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
         src = torch.randn(12, 2, 4, 16, generator=gen).to(dtype)

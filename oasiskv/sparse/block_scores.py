@@ -330,3 +330,109 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                             num_sink, window_start, block_tile, combine=combine,
                             range_weight=range_weight)
     return topk_blocks(s, k)
+
+
+# ------------------------------------------------------- fused combine + top-K (the pipeline)
+
+SELECT_MAX_BLOCKS = 16384  # one program holds a row's scores in registers; longer rows sort
+
+
+def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                 block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
+                 k: int, max_blocks: int, num_sink: int = 0,
+                 window_start: torch.Tensor | None = None, *, out: tuple | None = None,
+                 block_tile: int = 64, range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
+    """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
+    blocks `score_topk` picks (ties aside), each with its score, but in block order rather
+    than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
+    ranks by the scores (the pipeline's capped eviction does). `out`: (ids, scores) buffers
+    [R * Hkv, k] to write into.
+
+    On CUDA: the bounds kernel, then one program per (sequence, kv head) that combines the G
+    heads and selects the top K in registers (a radix select of the K-th largest score, then
+    a prefix-sum compaction): no sort. On the H200 torch.topk's sort was 63 µs of each layer's
+    ~150 µs of prediction at 16 x 2048 blocks (docs/benchmarks.md). Elsewhere: `score_topk`."""
+    if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
+        return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
+                                   num_sink, window_start, out=out, block_tile=block_tile,
+                                   range_weight=range_weight)
+    R, Hkv = q.shape[0], kmin.shape[1]
+    ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
+                           num_sink, window_start, range_weight=range_weight)
+    if out is None:
+        return ids, vals
+    out[0].copy_(ids.view(R * Hkv, k))
+    out[1].copy_(vals.view(R * Hkv, k))
+    return out[0].view(R, Hkv, k), out[1].view(R, Hkv, k)
+
+
+def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
+                        num_sink=0, window_start=None, *, out=None, block_tile=64,
+                        range_weight=RANGE_WEIGHT):
+    """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
+    R, Hq, _ = q.shape
+    Hkv = kmin.shape[1]
+    tiles = triton.cdiv(max_blocks, block_tile)
+    u = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
+    tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
+    head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
+                       window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight)
+    if out is None:
+        out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
+               torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))
+    ids, vals = out
+    assert ids.stride() == vals.stride() and ids.stride(-1) == 1
+    MP = triton.next_power_of_2(max_blocks)
+    if R and max_blocks:
+        _select_kernel[(R, Hkv)](
+            u, tile_max, ids, vals, u.stride(0), u.stride(1), tile_max.stride(0), tile_max.stride(1),
+            ids.stride(0), max_blocks, tiles, k,
+            G=group_size, MP=MP, TP=triton.next_power_of_2(tiles), KP=triton.next_power_of_2(k),
+            num_warps=8 if MP >= 4096 else 4)
+    return ids.view(R, Hkv, k), vals.view(R, Hkv, k)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _select_kernel(u_ptr, tmax_ptr, ids_ptr, vals_ptr, stride_ur, stride_uh, stride_tr, stride_th,
+                       stride_o, max_blocks, num_tiles, k,
+                       G: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr):
+        """One program per (sequence r, kv head h): shifted-max combine of the G heads' bounds,
+        then the k best blocks. The k-th largest score is found bit by bit on an order-keeping
+        integer image of the floats (32 counting passes over the row, in registers); blocks
+        above it, then the first ties, are compacted to the output by a prefix sum."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.arange(0, MP)
+        tt = tl.arange(0, TP)
+        s = tl.full((MP,), float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(G):
+            qh = h * G + g
+            u = tl.load(u_ptr + r * stride_ur + qh * stride_uh + b, mask=b < max_blocks, other=float("-inf"))
+            best = tl.max(tl.load(tmax_ptr + r * stride_tr + qh * stride_th + tt,
+                                  mask=tt < num_tiles, other=float("-inf")), axis=0)
+            best = tl.where(best == float("-inf"), 0.0, best)  # nothing scored: stay -inf
+            s = tl.maximum(s, u - best)
+        # Floats -> int64 keys in [0, 2^32) with the same order: negative floats have their
+        # magnitude bits flipped (larger magnitude = smaller), then the sign moves to the top.
+        bits = s.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+        thr = tl.zeros((), dtype=tl.int64)  # the largest t with at least k keys >= t
+        for i in tl.static_range(32):
+            cand = thr + (1 << (31 - i))
+            enough = tl.sum((key >= cand).to(tl.int32), axis=0) >= k
+            thr = tl.where(enough, cand, thr)
+        above = key > thr
+        tie = key == thr
+        take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32), axis=0)))
+        pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        row = (r * tl.num_programs(1) + h).to(tl.int64) * stride_o
+        finite = s > float("-inf")
+        tl.store(ids_ptr + row + pos, tl.where(finite, b, -1), mask=take)
+        tl.store(vals_ptr + row + pos, s, mask=take)
+        n = tl.sum(take.to(tl.int32), axis=0)  # < k only when the row is shorter than k
+        c = tl.arange(0, KP)
+        pad = (c >= n) & (c < k)
+        tl.store(ids_ptr + row + c, tl.full((KP,), -1, tl.int32), mask=pad)
+        tl.store(vals_ptr + row + c, tl.full((KP,), float("-inf"), tl.float32), mask=pad)

@@ -130,11 +130,12 @@ STAT_HITS, STAT_MISSED, STAT_ADMITTED, STAT_EVICTED = range(4)
 def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predicted: torch.Tensor,
                      num_sink: int, window_start: torch.Tensor, num_heads: int, cap: int,
                      step: torch.Tensor, admit_blocks: torch.Tensor, admit_slots: torch.Tensor,
-                     stats: torch.Tensor) -> None:
+                     stats: torch.Tensor, scores: torch.Tensor | None = None) -> None:
     """The pipeline's form of `capped_eviction`: same policy, state updated in place.
 
     resident, last_selected: [R, K] int32 (rows = request * num_heads + head); predicted: [R, P]
-    int32 best first without duplicates (top-K output); window_start: [R // num_heads] per
+    int32 without duplicates, best first, or in any order when `scores` [R, P] float32 (the
+    fused top-K's set, `score_select`) rank them; window_start: [R // num_heads] per
     request; step: int32 device scalar. Writes admit_blocks / admit_slots [R, cap] (-1 unused)
     and adds (hits, missed, admitted, evicted) to stats [R, 4] int64.
 
@@ -143,8 +144,10 @@ def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predic
     few tens of µs); elsewhere it is the torch version."""
     if resident.is_cuda and triton is not None:
         _capped_eviction_triton(resident, last_selected, predicted, num_sink, window_start,
-                                num_heads, cap, step, admit_blocks, admit_slots, stats)
+                                num_heads, cap, step, admit_blocks, admit_slots, stats, scores)
         return
+    if scores is not None:  # best first; stable, so equal scores keep their order
+        predicted = predicted.gather(1, scores.sort(dim=1, descending=True, stable=True).indices)
     win = window_start.long().repeat_interleave(num_heads)
     plan = capped_eviction(resident, last_selected.long(), predicted, num_sink, win, cap, step)
     resident.copy_(plan.resident)
@@ -155,25 +158,26 @@ def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predic
 
 
 def _capped_eviction_triton(resident, last_selected, predicted, num_sink, window_start, num_heads,
-                            cap, step, admit_blocks, admit_slots, stats):
+                            cap, step, admit_blocks, admit_slots, stats, scores=None):
     R, K = resident.shape
     P = predicted.shape[1]
     assert resident.dtype == last_selected.dtype == predicted.dtype == torch.int32
     assert resident.is_contiguous() and last_selected.is_contiguous() and predicted.is_contiguous()
+    assert scores is None or (scores.shape == predicted.shape and scores.is_contiguous())
     if R:
         _capped_eviction_kernel[(R,)](
-            resident, last_selected, predicted, window_start, step, admit_blocks, admit_slots, stats,
-            num_heads, K, P, cap, num_sink,
+            resident, last_selected, predicted, predicted if scores is None else scores, window_start,
+            step, admit_blocks, admit_slots, stats, num_heads, K, P, cap, num_sink,
             KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P),
-            CP=triton.next_power_of_2(max(cap, 1)), num_warps=4)
+            CP=triton.next_power_of_2(max(cap, 1)), RANKED=scores is not None, num_warps=4)
 
 
 if triton is not None:
 
     @triton.jit
-    def _capped_eviction_kernel(res_ptr, last_ptr, pred_ptr, win_ptr, step_ptr, admit_blk_ptr,
+    def _capped_eviction_kernel(res_ptr, last_ptr, pred_ptr, score_ptr, win_ptr, step_ptr, admit_blk_ptr,
                                 admit_slot_ptr, stats_ptr, num_heads, K, P, cap, num_sink,
-                                KP: tl.constexpr, PP: tl.constexpr, CP: tl.constexpr):
+                                KP: tl.constexpr, PP: tl.constexpr, CP: tl.constexpr, RANKED: tl.constexpr):
         row = tl.program_id(0)
         row64 = row.to(tl.int64)
         k = tl.arange(0, KP)
@@ -202,13 +206,22 @@ if triton is not None:
         key = tl.where(slot_hit | (kmask == 0), BIG, key)
         num_victims = tl.sum((kmask & (slot_hit == 0)).to(tl.int32), axis=0)
         n_admit = tl.minimum(tl.minimum(missed, num_victims), cap)
-        rank = tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        if RANKED:  # admission order: best score first (ties: the earlier entry)
+            order = tl.load(score_ptr + row64 * P + p, mask=p < P, other=0.0)
+            order = tl.where(cand, tl.maximum(order, -3.0e38), float("-inf"))
+        else:  # the list is best first already
+            rank = tl.cumsum(cand.to(tl.int32), axis=0) - 1
 
         admit_blk = tl.full([CP], -1, tl.int32)
         admit_slot = tl.full([CP], -1, tl.int32)
         evicted = n_admit * 0
         for i in range(0, n_admit):
-            blk = tl.sum(tl.where(cand & (rank == i), pred, 0), axis=0)
+            if RANKED:
+                best = tl.argmax(order, axis=0, tie_break_left=True)
+                blk = tl.sum(tl.where(p == best, pred, 0), axis=0)
+                order = tl.where(p == best, float("-inf"), order)
+            else:
+                blk = tl.sum(tl.where(cand & (rank == i), pred, 0), axis=0)
             victim = tl.argmin(key, axis=0, tie_break_left=True).to(tl.int32)
             at = k == victim
             evicted += (tl.sum(tl.where(at, res, 0), axis=0) >= 0).to(tl.int32)

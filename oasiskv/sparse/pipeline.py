@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.copy_items import DEFAULT_PROGRAMS, device_view, fetch_admitted, write_through
-from oasiskv.sparse.block_scores import score_topk
+from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
@@ -88,7 +88,8 @@ class LookaheadPipeline:
         # Per-layer hand-off buffers between stages: they outlive the step, so no stream ever
         # reads memory the allocator has given to another.
         self.draft_q = torch.zeros(L, R, mc.num_heads, self.D, dtype=kv.dtype, device=dev)
-        self.predicted = torch.full((L, R * H, K), -1, **i32)
+        self.predicted = torch.full((L, R * H, K), -1, **i32)  # the top-K as a set (any order)...
+        self.predicted_scores = torch.full((L, R * H, K), float("-inf"), device=dev)  # ...and its scores
         self.admit_blocks = torch.full((L, R * H, self.C), -1, **i32)
         self.admit_slots = torch.full((L, R * H, self.C), -1, **i32)
         self.host_items = device_view(host.items, dev) if dev.type == "cuda" else host.items
@@ -254,16 +255,17 @@ class LookaheadPipeline:
 
     def predict(self, layer: int) -> None:
         B, H = self.B, self.H
-        ids, _ = score_topk(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer],
-                            self.summary_offset[:B], self.next_blocks[:B], self.G, self.K,
-                            max_blocks=self.max_blocks, num_sink=self.S, window_start=self.next_window[:B])
-        self.predicted[layer, :B * H].copy_(ids.view(B * H, self.K))
+        score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
+                     self.next_blocks[:B], self.G, self.K, max_blocks=self.max_blocks, num_sink=self.S,
+                     window_start=self.next_window[:B],
+                     out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]))
 
     def select(self, layer: int) -> None:
         B, H = self.B, self.H
         capped_eviction_(self.resident[layer, :B * H], self.last[layer, :B * H], self.predicted[layer, :B * H],
                          self.S, self.next_window[:B], H, self.C, self.step, self.admit_blocks[layer, :B * H],
-                         self.admit_slots[layer, :B * H], self.stats[:B * H])
+                         self.admit_slots[layer, :B * H], self.stats[:B * H],
+                         scores=self.predicted_scores[layer, :B * H])
 
     def transfer(self, layer: int) -> None:
         """Admitted items host -> their GPU slots (addresses computed in the copy kernel). With
