@@ -155,10 +155,14 @@ def score_blocks_torch(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def topk_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [R, Hkv, M] -> (block ids [R, Hkv, k] int32 sorted by score desc, -1 where there
-    are fewer than k finite scores; their scores, -inf there). Fixed shapes, no host sync."""
+    are fewer than k finite scores; their scores, -inf there). Fixed shapes, no host sync.
+    Equal scores rank the lower block first (a stable sort, where torch.topk leaves ties
+    unspecified), as the pipeline's fused select does: blocks of repeated tokens have equal
+    summaries, and the two paths must pick the same ones."""
     R, H, M = scores.shape
     kk = min(k, M)
-    vals, ids = torch.topk(scores, kk, dim=-1, largest=True, sorted=True)
+    vals, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, ids = vals[..., :kk], ids[..., :kk]
     ids = torch.where(vals == NEG_INF, -1, ids).to(torch.int32)
     if kk < k:
         ids = torch.cat([ids, ids.new_full((R, H, k - kk), -1)], -1)

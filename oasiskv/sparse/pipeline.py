@@ -35,7 +35,6 @@ from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.summaries import fold_keys_
 
-_LAST = 2 ** 30  # sort key of an invalid working-set position: after every valid one
 TRANSFER_BACKENDS = ("uva", "dma")
 
 
@@ -170,20 +169,26 @@ class LookaheadPipeline:
         n, active, pages = self.cached[:R].long(), self.active[:R], self.pages[:R]
         cur, partial = n // bs, n % bs
         win = (cur - W + 1).clamp_min(S)
-        j = torch.arange(W, device=self.device)
-        block_at = cur[:, None] - (cur[:, None] - j) % W  # window position j holds this block
-        filled = (block_at < cur[:, None]) | ((block_at == cur[:, None]) & (partial[:, None] > 0))
-        wvalid = (block_at >= win[:, None]) & filled
-        wkey = torch.where(wvalid, S + K + block_at - win[:, None], _LAST)  # [R, W]
-        dkey = torch.where(self.resident[:, :R * H].view(L, R, H, K) >= 0,
-                           S + torch.arange(K, device=self.device, dtype=torch.long), _LAST)
-        skey = torch.arange(S, device=self.device, dtype=torch.long)
-        key = torch.cat([skey.expand(L, R, H, S), dkey, wkey[None, :, None, :].expand(L, R, H, W)], -1)
-        key, order = key.sort(-1)
+        dev = self.device
+        # The window's positions oldest block first: position (cur + 1 + i) % W holds block
+        # cur - W + 1 + i. Valid: not before the window's start, and written (the current
+        # block only once it holds a token).
+        age_order = (cur[:, None] + 1 + torch.arange(W, device=dev)) % W  # [R, W]
+        block_at = cur[:, None] - W + 1 + torch.arange(W, device=dev)
+        wvalid = (block_at >= win[:, None]) & ((block_at < cur[:, None]) | (partial[:, None] > 0))
+        # Every slot in walking order (sinks, dynamic by slot, window oldest first), and which
+        # hold a block; valid slots move to the front in that order (a prefix sum, not a sort).
+        src = torch.cat([torch.arange(S + K, device=dev).expand(R, S + K), S + K + age_order], 1)
+        valid = torch.cat([torch.ones(L, R, H, S, dtype=torch.bool, device=dev),
+                           self.resident[:, :R * H].view(L, R, H, K) >= 0,
+                           wvalid[None, :, None, :].expand(L, R, H, W)], -1)
+        n_valid = valid.sum(-1, keepdim=True)
+        dst = torch.where(valid, valid.cumsum(-1) - 1, n_valid + (~valid).cumsum(-1) - 1)
+        order = torch.empty_like(dst).scatter_(-1, dst, src[None, :, None, :].expand(L, R, H, self.P))
         slot_pages = pages.long()[None, :, None, :].expand(L, R, H, self.P).gather(-1, order)
-        heads = torch.arange(H, device=self.device)
+        heads = torch.arange(H, device=dev)
         tables = (slot_pages * H + heads[None, None, :, None]).int()
-        blocks = (key < _LAST).sum(-1) - (partial > 0).long()[None, :, None]
+        blocks = n_valid[..., 0] - (partial > 0).long()[None, :, None]
         lens = torch.where(active[None, :, None], blocks * bs + partial[None, :, None], 0).int()
         page = pages.long().gather(1, (S + K + cur % W)[:, None])  # [R, 1]
         write_slots = torch.where(active[:, None], page * H + heads[None, :], -1).int()
