@@ -37,9 +37,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
-    p.add_argument("--foreground-priority", default="on",
-                   help="on: the sparse step's foreground is captured on a high-priority stream, the pipeline's "
-                        "streams on the lowest; off: all at one priority; a comma list runs sparse once per value")
     p.add_argument("--no-prefetch-run", action="store_true",
                    help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
                         "decode — nothing is fetched — but its time is the floor the pipeline adds to)")
@@ -123,7 +120,7 @@ class DecodeBench:
     @torch.inference_mode()
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: int | None = None, prefetch: bool = True,
-                   transfer_backend: str | None = None, foreground_priority: bool | None = None) -> dict:
+                   transfer_backend: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -158,10 +155,7 @@ class DecodeBench:
             p.active.fill_(True)
             use_graph = r.device.type == "cuda" and not self.args.enforce_eager
             p.timing = PipelineTiming(mc.num_layers) if use_graph else None
-            if foreground_priority is None:
-                foreground_priority = self.args.foreground_priority.split(",")[0] == "on"
-            step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph,
-                                       foreground_priority=foreground_priority)
+            step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
             def step():
@@ -183,7 +177,6 @@ class DecodeBench:
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
-                       foreground_priority=foreground_priority,
                        transfer_programs=p.transfer_programs, transfer_backend=p.transfer_backend,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
@@ -314,10 +307,8 @@ def run_decode_bench(args) -> int:
                 if "sparse" in modes:
                     for backend in args.transfer_backend.split(","):
                         for programs in _ints(args.transfer_programs) if backend == "uva" else [0]:
-                            for priority in args.foreground_priority.split(","):
-                                record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                        transfer_backend=backend,
-                                                        foreground_priority=priority == "on"))
+                            record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                    transfer_backend=backend))
                     if args.no_prefetch_run:
                         record(bench.run_sparse(batch, context, prefetch=False))
     if args.fetch_ablation:
@@ -364,8 +355,6 @@ def print_row(r: dict) -> None:
         return
     sp = r["mode"] == "sparse"
     mode = r["mode"] if r.get("prefetch", True) else "fg"
-    if sp and r.get("foreground_priority") is False:
-        mode += "/np"  # no stream priorities
     print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
           f"{(r.get('transfer_programs') if r.get('transfer_backend') == 'uva' else 'dma') if sp else '':>3} "
           f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "

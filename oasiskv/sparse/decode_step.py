@@ -3,14 +3,6 @@ its lookahead draft), the foreground tables built on the device from the pipelin
 the per-layer pipeline launched from inside the layers, and the join at the end. On CUDA the
 whole step (foreground and the three pipeline streams) is one CUDA graph; the host only
 writes the input token ids before each replay.
-
-The foreground is captured on a high-priority stream and the pipeline's streams have the
-lowest priority. PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority, so
-each kernel node keeps the priority of the stream it was captured on: when both have blocks
-waiting, the SMs take the foreground's first, and the pipeline fills the gaps. Without it the
-pipeline's wide kernels (the score kernel launches thousands of blocks per layer) delay the
-foreground's one-wave GEMMs: measured on the H200 at batch 16, 32K, the foreground took 10.0 ms
-beside the pipeline against 7.0 ms alone (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -22,12 +14,9 @@ from oasiskv.sparse.pipeline import LookaheadPipeline
 
 class SparseDecodeStep:
     def __init__(self, model, kv_caches: list[torch.Tensor], pipeline: LookaheadPipeline,
-                 max_position: int, use_graph: bool, rows: int | None = None,
-                 foreground_priority: bool = True):
-        """rows: the step runs over the pipeline's first `rows` rows (a batch-size bucket);
-        foreground_priority: capture the foreground on a high-priority stream (module docstring)."""
+                 max_position: int, use_graph: bool, rows: int | None = None):
+        """rows: the step runs over the pipeline's first `rows` rows (a batch-size bucket)."""
         p = self.pipeline = pipeline
-        self.foreground_priority = foreground_priority
         self.rows = rows or p.R
         self.model, self.kv_caches, self.max_position = model, kv_caches, max_position
         self.ids = torch.zeros(self.rows * 2, dtype=torch.long, device=p.device)
@@ -65,9 +54,7 @@ class SparseDecodeStep:
         p.active.copy_(active)
         p.step.copy_(step)
         self.graph = torch.cuda.CUDAGraph()
-        # Stream priorities: lower is higher; the pipeline's streams have the default, 0, the lowest.
-        stream = torch.cuda.Stream(p.device, priority=-1) if self.foreground_priority else None
-        with torch.cuda.graph(self.graph, stream=stream):
+        with torch.cuda.graph(self.graph):
             self.hidden = self._forward()
         torch.cuda.synchronize()
 
