@@ -37,10 +37,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
-    p.add_argument("--select-kernel", default="one-pass",
-                   help="the prediction kernel: one-pass (one program per sequence and kv head scores, combines "
-                        "and selects) or two-pass (a bounds kernel over every block tile, then the select); "
-                        "a comma list runs sparse once per value")
     p.add_argument("--no-prefetch-run", action="store_true",
                    help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
                         "decode — nothing is fetched — but its time is the floor the pipeline adds to)")
@@ -124,7 +120,7 @@ class DecodeBench:
     @torch.inference_mode()
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: int | None = None, prefetch: bool = True,
-                   transfer_backend: str | None = None, select_kernel: str | None = None) -> dict:
+                   transfer_backend: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -145,7 +141,6 @@ class DecodeBench:
                                   transfer_programs=transfer_programs or _ints(self.args.transfer_programs)[0],
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
             p.prefetch = prefetch
-            p.select_one_pass = (select_kernel or self.args.select_kernel.split(",")[0]) == "one-pass"
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -182,7 +177,6 @@ class DecodeBench:
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
-                       select_kernel="one-pass" if p.select_one_pass else "two-pass",
                        transfer_programs=p.transfer_programs, transfer_backend=p.transfer_backend,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
@@ -313,9 +307,8 @@ def run_decode_bench(args) -> int:
                 if "sparse" in modes:
                     for backend in args.transfer_backend.split(","):
                         for programs in _ints(args.transfer_programs) if backend == "uva" else [0]:
-                            for kernel in args.select_kernel.split(","):
-                                record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                        transfer_backend=backend, select_kernel=kernel))
+                            record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                    transfer_backend=backend))
                     if args.no_prefetch_run:
                         record(bench.run_sparse(batch, context, prefetch=False))
     if args.fetch_ablation:
@@ -362,8 +355,6 @@ def print_row(r: dict) -> None:
         return
     sp = r["mode"] == "sparse"
     mode = r["mode"] if r.get("prefetch", True) else "fg"
-    if sp and r.get("select_kernel") == "two-pass":
-        mode += "/2p"
     print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
           f"{(r.get('transfer_programs') if r.get('transfer_backend') == 'uva' else 'dma') if sp else '':>3} "
           f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "

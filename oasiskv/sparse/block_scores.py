@@ -345,22 +345,21 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                  k: int, max_blocks: int, num_sink: int = 0,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
-                 block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
-                 one_pass: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_tile: int = 64, range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
     ranks by the scores (the pipeline's capped eviction does). `out`: (ids, scores) buffers
     [R * Hkv, k] to write into.
 
-    On CUDA (`score_select_triton`): one program per (sequence, kv head) scores its blocks,
-    combines the G heads and selects the top K in registers (a radix select of the K-th largest
-    score, then a prefix-sum compaction): no sort. On the H200 torch.topk's sort was 63 µs of each layer's
+    On CUDA: the bounds kernel, then one program per (sequence, kv head) that combines the G
+    heads and selects the top K in registers (a radix select of the K-th largest score, then
+    a prefix-sum compaction): no sort. On the H200 torch.topk's sort was 63 µs of each layer's
     ~150 µs of prediction at 16 x 2048 blocks (docs/benchmarks.md). Elsewhere: `score_topk`."""
     if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
-                                   range_weight=range_weight, one_pass=one_pass)
+                                   range_weight=range_weight)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -373,38 +372,21 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, one_pass: bool = True):
-    """`score_select`'s fused path. one_pass: a single kernel of one program per (sequence, kv
-    head) that walks the row's summaries tile by tile, keeps each head's best bound, then
-    combines and selects (`_score_select_kernel`): R * Hkv programs, where the bounds kernel
-    launches R * Hkv * tiles (4096 per layer at 16 x 2048 blocks) and fills every SM while the
-    foreground decodes beside it. Otherwise: the bounds kernel, then `_select_kernel`."""
+                        range_weight=RANGE_WEIGHT):
+    """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
     tiles = triton.cdiv(max_blocks, block_tile)
     u = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
+    tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
+    head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
+                       window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight)
     if out is None:
         out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
                torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))
     ids, vals = out
     assert ids.stride() == vals.stride() and ids.stride(-1) == 1
     MP = triton.next_power_of_2(max_blocks)
-    if one_pass:
-        assert q.stride(-1) == 1 and kmin.stride() == kmax.stride() and kmin.stride(-1) == 1
-        ws = window_start if window_start is not None else num_blocks
-        if R and max_blocks:
-            D = q.shape[-1]
-            _score_select_kernel[(R, Hkv)](
-                q, kmin, kmax, block_offsets, num_blocks, ws, u, ids, vals,
-                q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), u.stride(0), u.stride(1),
-                ids.stride(0), max_blocks, num_sink, k, (1 + range_weight) / 2, (1 - range_weight) / 2,
-                G=group_size, GP=triton.next_power_of_2(group_size), D=D, DP=triton.next_power_of_2(D),
-                BB=block_tile, MP=MP,
-                KP=triton.next_power_of_2(k), HAS_WS=window_start is not None, num_warps=8)
-        return ids.view(R, Hkv, k), vals.view(R, Hkv, k)
-    tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
-    head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
-                       window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight)
     if R and max_blocks:
         _select_kernel[(R, Hkv)](
             u, tile_max, ids, vals, u.stride(0), u.stride(1), tile_max.stride(0), tile_max.stride(1),
@@ -421,7 +403,9 @@ if triton is not None:
                        stride_o, max_blocks, num_tiles, k,
                        G: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr):
         """One program per (sequence r, kv head h): shifted-max combine of the G heads' bounds,
-        then the k best blocks (`_store_topk`)."""
+        then the k best blocks. The k-th largest score is found bit by bit on an order-keeping
+        integer image of the floats (32 counting passes over the row, in registers); blocks
+        above it, then the first ties, are compacted to the output by a prefix sum."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.arange(0, MP)
@@ -434,62 +418,6 @@ if triton is not None:
                                   mask=tt < num_tiles, other=float("-inf")), axis=0)
             best = tl.where(best == float("-inf"), 0.0, best)  # nothing scored: stay -inf
             s = tl.maximum(s, u - best)
-        row = (r * tl.num_programs(1) + h).to(tl.int64) * stride_o
-        _store_topk(s, b, k, ids_ptr + row, vals_ptr + row, KP)
-
-    @triton.jit
-    def _score_select_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, u_ptr, ids_ptr, vals_ptr,
-                             stride_qr, stride_qh, stride_kb, stride_kh, stride_ur, stride_uh, stride_o,
-                             max_blocks, num_sink, k, wide, narrow,
-                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                             BB: tl.constexpr, MP: tl.constexpr, KP: tl.constexpr, HAS_WS: tl.constexpr):
-        """One program per (sequence r, kv head h). Pass 1 walks the row's blocks BB at a time:
-        each tile of summaries is loaded once for the G query heads, their bounds go to the
-        scratch u [R, Hq, max_blocks] (in L2: 4 * G bytes per block) and each head's best is
-        kept. Pass 2 reads the row's bounds back, combines (shifted max) and selects the k
-        best (`_store_topk`). Tiles past the row's scored range are skipped, not loaded."""
-        r = tl.program_id(0)
-        h = tl.program_id(1)
-        d = tl.arange(0, DP)
-        gi = tl.arange(0, GP)
-        start = tl.load(off_ptr + r).to(tl.int64)
-        end = tl.load(nb_ptr + r)
-        if HAS_WS:
-            end = tl.minimum(end, tl.load(ws_ptr + r))
-        best = tl.full((GP,), float("-inf"), dtype=tl.float32)
-        u_row = u_ptr + r * stride_ur + h * G * stride_uh
-        for t in range(0, tl.cdiv(tl.minimum(end, max_blocks), BB)):
-            b = t * BB + tl.arange(0, BB)
-            keep = (b >= num_sink) & (b < end)
-            ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
-            m = keep[:, None] & (d[None, :] < D)
-            hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
-            lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
-            for g in tl.static_range(G):
-                q = tl.load(q_ptr + r * stride_qr + (h * G + g) * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-                pos = tl.maximum(q, 0.0)
-                neg = tl.minimum(q, 0.0)
-                u = tl.sum(hi * (wide * pos + narrow * neg)[None, :] + lo * (narrow * pos + wide * neg)[None, :], axis=1)
-                u = tl.where(keep, u, float("-inf"))
-                tl.store(u_row + g * stride_uh + b, u, mask=b < max_blocks)
-                best = tl.where(gi == g, tl.maximum(best, tl.max(u, axis=0)), best)
-        tl.debug_barrier()  # pass 2 reads what other threads of this program stored
-        best = tl.where(best == float("-inf"), 0.0, best)  # nothing scored: stay -inf
-        b = tl.arange(0, MP)
-        scored = b < tl.minimum(end, max_blocks)  # past it nothing was stored
-        s = tl.full((MP,), float("-inf"), dtype=tl.float32)
-        for g in tl.static_range(G):
-            u = tl.load(u_row + g * stride_uh + b, mask=scored, other=float("-inf"))
-            s = tl.maximum(s, u - tl.max(tl.where(gi == g, best, float("-inf")), axis=0))
-        _store_topk(s, b, k, ids_ptr + (r * tl.num_programs(1) + h).to(tl.int64) * stride_o,
-                    vals_ptr + (r * tl.num_programs(1) + h).to(tl.int64) * stride_o, KP)
-
-    @triton.jit
-    def _store_topk(s, b, k, ids_ptr, vals_ptr, KP: tl.constexpr):
-        """The k best of scores s [MP] (blocks b) to ids_ptr / vals_ptr [k], in block order.
-        The k-th largest score is found bit by bit on an order-keeping integer image of the
-        floats (32 counting passes over the row, in registers); blocks above it, then the first
-        ties, are compacted to the output by a prefix sum."""
         # Floats -> int64 keys in [0, 2^32) with the same order: negative floats have their
         # magnitude bits flipped (larger magnitude = smaller), then the sign moves to the top.
         bits = s.to(tl.int32, bitcast=True)
@@ -503,11 +431,12 @@ if triton is not None:
         tie = key == thr
         take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32), axis=0)))
         pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        row = (r * tl.num_programs(1) + h).to(tl.int64) * stride_o
         finite = s > float("-inf")
-        tl.store(ids_ptr + pos, tl.where(finite, b, -1), mask=take)
-        tl.store(vals_ptr + pos, s, mask=take)
+        tl.store(ids_ptr + row + pos, tl.where(finite, b, -1), mask=take)
+        tl.store(vals_ptr + row + pos, s, mask=take)
         n = tl.sum(take.to(tl.int32), axis=0)  # < k only when the row is shorter than k
         c = tl.arange(0, KP)
         pad = (c >= n) & (c < k)
-        tl.store(ids_ptr + c, tl.full((KP,), -1, tl.int32), mask=pad)
-        tl.store(vals_ptr + c, tl.full((KP,), float("-inf"), tl.float32), mask=pad)
+        tl.store(ids_ptr + row + c, tl.full((KP,), -1, tl.int32), mask=pad)
+        tl.store(vals_ptr + row + c, tl.full((KP,), float("-inf"), tl.float32), mask=pad)

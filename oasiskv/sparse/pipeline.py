@@ -97,7 +97,6 @@ class LookaheadPipeline:
             self.streams = [torch.cuda.Stream(dev) for _ in range(3)]  # predict, select, transfer
         self.timing = None  # PipelineTiming when step timing is on
         self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
-        self.select_one_pass = True  # the prediction kernel: see `score_select_triton`
 
     # ---- rows ----------------------------------------------------------------------
     def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
@@ -264,8 +263,7 @@ class LookaheadPipeline:
         score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
                      self.next_blocks[:B], self.G, self.K, max_blocks=self.max_blocks, num_sink=self.S,
                      window_start=self.next_window[:B],
-                     out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
-                     one_pass=self.select_one_pass)
+                     out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]))
 
     def select(self, layer: int) -> None:
         B, H = self.B, self.H
