@@ -323,13 +323,9 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       window_start: torch.Tensor | None = None,
                       block_tile: int = 64, combine: str = "shifted_max",
                       range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton scores (bounds, combine), then torch.topk over the [R, Hkv, max_blocks] float32
-    scores.
-
-    The score buffers are only 4·(G + 1) bytes per (block, kv head) against the 4·D bytes of
-    summaries, but time is another matter: on the H200 at 16 × 2048 blocks, torch.topk takes 35
-    of this function's 101 µs (docs/benchmarks.md). A fused select is the next step; it needs a
-    cross-tile merge, as the shifted max needs every block's bound before any score is final."""
+    """Triton scores (bounds, combine), then a sorted top-K over the [R, Hkv, max_blocks] float32
+    scores: the in-line path's prediction, best first. The pipeline uses `score_select`
+    instead, which skips the sort (78 against 101 µs on the H200 at 16 × 2048 blocks)."""
     s = score_blocks_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
                             num_sink, window_start, block_tile, combine=combine,
                             range_weight=range_weight)
