@@ -39,7 +39,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
     p.add_argument("--score-kernel", default="per-head:64",
                    help="the prediction's bounds kernel, layout:tile: per-head (a program per sequence, kv head "
-                        "and block tile) or dot (the same, its sums over the head dimension on the tensor cores); a comma list "
+                        "and block tile) or all-heads (a program per sequence and block tile); a comma list "
                         "runs sparse once per value")
     p.add_argument("--no-prefetch-run", action="store_true",
                    help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
@@ -146,8 +146,8 @@ class DecodeBench:
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
             p.prefetch = prefetch
             layout, tile = (score_kernel or self.args.score_kernel.split(",")[0]).split(":")
-            if layout not in ("per-head", "dot"):
-                raise ValueError(f"unknown score kernel layout {layout!r}; choose per-head or dot")
+            if layout not in ("per-head", "all-heads"):
+                raise ValueError(f"unknown score kernel layout {layout!r}; choose per-head or all-heads")
             p.score_kernel = (layout, int(tile))
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)

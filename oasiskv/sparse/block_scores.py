@@ -226,41 +226,39 @@ if triton is not None:
             tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0))
 
     @triton.jit
-    def _dot_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                           stride_qr, stride_qh, stride_kb, stride_kh,
-                           stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_sink,
-                           wide, narrow, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           DP: tl.constexpr, BB: tl.constexpr, HAS_WS: tl.constexpr):
-        """`_head_bounds_kernel` with the G heads' sums over D as two small matrix products,
-        [BB, D] summaries x [D, GP] box weights (GP >= 16, the heads padded with zeros): the sum
-        runs inside each thread's accumulators instead of across threads, once per head."""
+    def _all_heads_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
+                                 stride_qr, stride_qh, stride_kb, stride_kh,
+                                 stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_sink,
+                                 wide, narrow, G: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+                                 D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, HAS_WS: tl.constexpr):
+        """`_head_bounds_kernel` with every kv head of a tile in one program: [BB, HP, DP]."""
         r = tl.program_id(0)
-        h = tl.program_id(1)
-        t = tl.program_id(2)
+        t = tl.program_id(1)
         d = tl.arange(0, DP)
-        gi = tl.arange(0, GP)
+        hh = tl.arange(0, HP)
         start = tl.load(off_ptr + r).to(tl.int64)
         end = tl.load(nb_ptr + r)
         if HAS_WS:
             end = tl.minimum(end, tl.load(ws_ptr + r))
         b = t * BB + tl.arange(0, BB)
         keep = (b >= num_sink) & (b < end)
-        ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
-        m = keep[:, None] & (d[None, :] < D)
+        ptrs = (start + b)[:, None, None] * stride_kb + hh[None, :, None] * stride_kh + d[None, None, :]
+        m = keep[:, None, None] & (hh[None, :, None] < H) & (d[None, None, :] < D)
         hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
         lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
-        qm = (d[:, None] < D) & (gi[None, :] < G)
-        q = tl.load(q_ptr + r * stride_qr + (h * G + gi[None, :]) * stride_qh + d[:, None], mask=qm,
-                    other=0.0).to(tl.float32)  # [DP, GP]
-        pos = tl.maximum(q, 0.0)
-        neg = tl.minimum(q, 0.0)
-        u = tl.dot(hi, wide * pos + narrow * neg, input_precision="tf32x3")
-        u = tl.dot(lo, narrow * pos + wide * neg, u, input_precision="tf32x3")  # [BB, GP]
-        u = tl.where(keep[:, None], u, float("-inf"))
-        qh = h * G + gi
-        tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
-                 mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
-        tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0), mask=gi < G)
+        for g in tl.static_range(G):
+            qh = hh * G + g  # [HP]: query head g of each kv group
+            qm = (hh[:, None] < H) & (d[None, :] < D)
+            q = tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=qm, other=0.0).to(tl.float32)
+            pos = tl.maximum(q, 0.0)
+            neg = tl.minimum(q, 0.0)
+            a = wide * pos + narrow * neg  # against kmax
+            c = narrow * pos + wide * neg  # against kmin
+            u = tl.sum(hi * a[None, :, :] + lo * c[None, :, :], axis=2)  # [BB, HP]
+            u = tl.where(keep[:, None], u, float("-inf"))
+            tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
+                     mask=(b[:, None] < max_blocks) & (hh[None, :] < H))
+            tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0), mask=hh < H)
 
     @triton.jit
     def _combine_kernel(u_ptr, tmax_ptr, out_ptr, stride_ur, stride_uh, stride_tr, stride_th,
@@ -295,13 +293,14 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        window_start: torch.Tensor | None = None, block_tile: int = 64,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
-                       range_weight: float = RANGE_WEIGHT, dot: bool = False) -> torch.Tensor:
+                       range_weight: float = RANGE_WEIGHT, all_heads: bool = False) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, block tiles); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
-    loads are masked off). dot: the sums over D as matrix products on the tensor cores
-    (`_dot_bounds_kernel`; tf32x3, about float32's accuracy), block_tile >= 16."""
+    loads are masked off). all_heads: grid (R, block tiles), each program reads its tile for
+    every kv head, one contiguous [tile, Hkv, D] range of the summaries instead of Hkv strided
+    ones."""
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     G = group_size
@@ -313,13 +312,13 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if tile_max is None:
         tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
-    if R and max_blocks and dot:
-        _dot_bounds_kernel[(R, Hkv, tiles)](
+    if R and max_blocks and all_heads:
+        _all_heads_bounds_kernel[(R, tiles)](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
             max_blocks, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
-            G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=triton.next_power_of_2(D), BB=block_tile,
+            G=G, H=Hkv, HP=triton.next_power_of_2(Hkv), D=D, DP=triton.next_power_of_2(D), BB=block_tile,
             HAS_WS=window_start is not None, num_warps=num_warps)
     elif R and max_blocks:
         _head_bounds_kernel[(R, Hkv, tiles)](
@@ -388,7 +387,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  k: int, max_blocks: int, num_sink: int = 0,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
                  block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
-                 dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 all_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
@@ -403,7 +402,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
-                                   range_weight=range_weight, dot=dot)
+                                   range_weight=range_weight, all_heads=all_heads)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -416,7 +415,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, dot=False):
+                        range_weight=RANGE_WEIGHT, all_heads=False):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
@@ -424,7 +423,8 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
     u = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
-                       window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight, dot=dot)
+                       window_start, block_tile, num_warps=8 if all_heads else 4, out=u, tile_max=tile_max,
+                       range_weight=range_weight, all_heads=all_heads)
     if out is None:
         out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
                torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))

@@ -265,7 +265,7 @@ class LookaheadPipeline:
                      self.next_blocks[:B], self.G, self.K, max_blocks=self.max_blocks, num_sink=self.S,
                      window_start=self.next_window[:B],
                      out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
-                     dot=self.score_kernel[0] == "dot", block_tile=self.score_kernel[1])
+                     all_heads=self.score_kernel[0] == "all-heads", block_tile=self.score_kernel[1])
 
     def select(self, layer: int) -> None:
         B, H = self.B, self.H
