@@ -120,15 +120,12 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
                rel_err=f"{err:.1e}", inf_pattern=same_inf, topk_rows_differ=bad)
     # The pipeline's fused combine + select: the same set as top-K, each id with its score.
     ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
-    for all_heads, t in ((False, tile), (True, 8)):
-        ids, vals = score_select_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=t,
-                                        all_heads=all_heads, **kw)
-        bad = topk_mismatches(ids, ref, k)
-        paired = torch.where(ids >= 0, ref.gather(2, ids.long().clamp_min(0)), vals)
-        vals_ok = bool(torch.allclose(paired, vals, rtol=1e-5, atol=1e-5 * scale)) and bool(
-            ((ids < 0) == (vals == float("-inf"))).all())
-        record(f"select {'all-heads' if all_heads else 'per-head'} {name}", bad == 0 and vals_ok,
-               topk_rows_differ=bad, vals_match_scores=vals_ok)
+    ids, vals = score_select_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile, **kw)
+    bad = topk_mismatches(ids, ref, k)
+    paired = torch.where(ids >= 0, ref.gather(2, ids.long().clamp_min(0)), vals)
+    vals_ok = bool(torch.allclose(paired, vals, rtol=1e-5, atol=1e-5 * scale)) and bool(
+        ((ids < 0) == (vals == float("-inf"))).all())
+    record(f"select {name}", bad == 0 and vals_ok, topk_rows_differ=bad, vals_match_scores=vals_ok)
 
 
 def eviction_inputs(R, K, P, num_blocks, seed=0):
@@ -249,10 +246,6 @@ def run_timings(R=16, max_blocks=2048, k=128):
     for tile in (32, 64, 128):
         rows.append((f"fused select k={k} tile{tile}", bench(lambda: score_select_triton(
             q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=tile, out=sel)), dict(tile=tile)))
-    for tile in (4, 8, 16):
-        rows.append((f"all-heads bounds + select tile{tile}", bench(lambda: score_select_triton(
-            q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=tile, out=sel, all_heads=True)),
-            dict(tile=tile)))
     for kk in (64, 256):
         rows.append((f"score+topk k={kk} (best config)", bench(lambda: score_topk_triton(
             q, kmin, kmax, off, nb, G, kk, max_blocks, block_tile=best["tile"])), best))

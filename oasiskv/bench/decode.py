@@ -37,10 +37,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
-    p.add_argument("--score-kernel", default="per-head:64",
-                   help="the prediction's bounds kernel, layout:tile: per-head (a program per sequence, kv head "
-                        "and block tile) or all-heads (a program per sequence and block tile); a comma list "
-                        "runs sparse once per value")
     p.add_argument("--no-prefetch-run", action="store_true",
                    help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
                         "decode — nothing is fetched — but its time is the floor the pipeline adds to)")
@@ -124,7 +120,7 @@ class DecodeBench:
     @torch.inference_mode()
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: int | None = None, prefetch: bool = True,
-                   transfer_backend: str | None = None, score_kernel: str | None = None) -> dict:
+                   transfer_backend: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -145,10 +141,6 @@ class DecodeBench:
                                   transfer_programs=transfer_programs or _ints(self.args.transfer_programs)[0],
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
             p.prefetch = prefetch
-            layout, tile = (score_kernel or self.args.score_kernel.split(",")[0]).split(":")
-            if layout not in ("per-head", "all-heads"):
-                raise ValueError(f"unknown score kernel layout {layout!r}; choose per-head or all-heads")
-            p.score_kernel = (layout, int(tile))
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -185,7 +177,6 @@ class DecodeBench:
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
-                       score_kernel=f"{layout}:{tile}",
                        transfer_programs=p.transfer_programs, transfer_backend=p.transfer_backend,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
@@ -316,9 +307,8 @@ def run_decode_bench(args) -> int:
                 if "sparse" in modes:
                     for backend in args.transfer_backend.split(","):
                         for programs in _ints(args.transfer_programs) if backend == "uva" else [0]:
-                            for kernel in args.score_kernel.split(","):
-                                record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                        transfer_backend=backend, score_kernel=kernel))
+                            record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                    transfer_backend=backend))
                     if args.no_prefetch_run:
                         record(bench.run_sparse(batch, context, prefetch=False))
     if args.fetch_ablation:
@@ -355,19 +345,17 @@ def speedups(runs: list[dict]) -> list[dict]:
 
 
 def print_header() -> None:
-    print(f"{'mode':>12} {'batch':>5} {'context':>7} {'ratio':>5} {'G':>3} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
+    print(f"{'mode':>6} {'batch':>5} {'context':>7} {'ratio':>5} {'G':>3} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
           f"{'fetch MB':>8} {'GB/s':>5} {'hit':>5} {'stall%':>6} {'late%':>5} {'roof%':>5}", flush=True)
 
 
 def print_row(r: dict) -> None:
     if not r.get("fits"):
-        print(f"{r['mode']:>12} {r['batch']:>5} {r['context']:>7}  does not fit: {r['why']}", flush=True)
+        print(f"{r['mode']:>6} {r['batch']:>5} {r['context']:>7}  does not fit: {r['why']}", flush=True)
         return
     sp = r["mode"] == "sparse"
     mode = r["mode"] if r.get("prefetch", True) else "fg"
-    if sp and r.get("score_kernel", "per-head:64") != "per-head:64":
-        mode = r["score_kernel"]
-    print(f"{mode:>12} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
+    print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
           f"{(r.get('transfer_programs') if r.get('transfer_backend') == 'uva' else 'dma') if sp else '':>3} "
           f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
           f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "

@@ -226,41 +226,6 @@ if triton is not None:
             tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0))
 
     @triton.jit
-    def _all_heads_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                                 stride_qr, stride_qh, stride_kb, stride_kh,
-                                 stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_sink,
-                                 wide, narrow, G: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-                                 D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, HAS_WS: tl.constexpr):
-        """`_head_bounds_kernel` with every kv head of a tile in one program: [BB, HP, DP]."""
-        r = tl.program_id(0)
-        t = tl.program_id(1)
-        d = tl.arange(0, DP)
-        hh = tl.arange(0, HP)
-        start = tl.load(off_ptr + r).to(tl.int64)
-        end = tl.load(nb_ptr + r)
-        if HAS_WS:
-            end = tl.minimum(end, tl.load(ws_ptr + r))
-        b = t * BB + tl.arange(0, BB)
-        keep = (b >= num_sink) & (b < end)
-        ptrs = (start + b)[:, None, None] * stride_kb + hh[None, :, None] * stride_kh + d[None, None, :]
-        m = keep[:, None, None] & (hh[None, :, None] < H) & (d[None, None, :] < D)
-        hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
-        lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
-        for g in tl.static_range(G):
-            qh = hh * G + g  # [HP]: query head g of each kv group
-            qm = (hh[:, None] < H) & (d[None, :] < D)
-            q = tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=qm, other=0.0).to(tl.float32)
-            pos = tl.maximum(q, 0.0)
-            neg = tl.minimum(q, 0.0)
-            a = wide * pos + narrow * neg  # against kmax
-            c = narrow * pos + wide * neg  # against kmin
-            u = tl.sum(hi * a[None, :, :] + lo * c[None, :, :], axis=2)  # [BB, HP]
-            u = tl.where(keep[:, None], u, float("-inf"))
-            tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
-                     mask=(b[:, None] < max_blocks) & (hh[None, :] < H))
-            tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0), mask=hh < H)
-
-    @triton.jit
     def _combine_kernel(u_ptr, tmax_ptr, out_ptr, stride_ur, stride_uh, stride_tr, stride_th,
                         stride_or, stride_oh, max_blocks, num_tiles,
                         G: tl.constexpr, BB: tl.constexpr, TP: tl.constexpr, SUM: tl.constexpr):
@@ -293,14 +258,12 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        window_start: torch.Tensor | None = None, block_tile: int = 64,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
-                       range_weight: float = RANGE_WEIGHT, all_heads: bool = False) -> torch.Tensor:
+                       range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, block tiles); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
-    loads are masked off). all_heads: grid (R, block tiles), each program reads its tile for
-    every kv head, one contiguous [tile, Hkv, D] range of the summaries instead of Hkv strided
-    ones."""
+    loads are masked off)."""
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     G = group_size
@@ -312,15 +275,7 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if tile_max is None:
         tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
-    if R and max_blocks and all_heads:
-        _all_heads_bounds_kernel[(R, tiles)](
-            q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
-            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
-            out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
-            max_blocks, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
-            G=G, H=Hkv, HP=triton.next_power_of_2(Hkv), D=D, DP=triton.next_power_of_2(D), BB=block_tile,
-            HAS_WS=window_start is not None, num_warps=num_warps)
-    elif R and max_blocks:
+    if R and max_blocks:
         _head_bounds_kernel[(R, Hkv, tiles)](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
@@ -386,8 +341,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                  k: int, max_blocks: int, num_sink: int = 0,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
-                 block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
-                 all_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_tile: int = 64, range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
@@ -396,13 +350,12 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
     On CUDA: the bounds kernel, then one program per (sequence, kv head) that combines the G
     heads and selects the top K in registers (a radix select of the K-th largest score, then
-    a prefix-sum compaction): no sort. On the H200 at 16 x 2048 blocks, bounds + select take
-    78 µs alone against 101 µs with torch.topk; inside a batch 16, 32K decode step, torch.topk
-    had taken 63 µs a layer (docs/benchmarks.md). Elsewhere: `score_topk`."""
+    a prefix-sum compaction): no sort. On the H200 torch.topk's sort was 63 µs of each layer's
+    ~150 µs of prediction at 16 x 2048 blocks (docs/benchmarks.md). Elsewhere: `score_topk`."""
     if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
-                                   range_weight=range_weight, all_heads=all_heads)
+                                   range_weight=range_weight)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -415,7 +368,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, all_heads=False):
+                        range_weight=RANGE_WEIGHT):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
@@ -423,8 +376,7 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
     u = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
-                       window_start, block_tile, num_warps=8 if all_heads else 4, out=u, tile_max=tile_max,
-                       range_weight=range_weight, all_heads=all_heads)
+                       window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight)
     if out is None:
         out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
                torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))

@@ -97,7 +97,6 @@ class LookaheadPipeline:
             self.streams = [torch.cuda.Stream(dev) for _ in range(3)]  # predict, select, transfer
         self.timing = None  # PipelineTiming when step timing is on
         self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
-        self.score_kernel = ("per-head", 64)  # the bounds kernel's layout and block tile (`head_bounds_triton`)
 
     # ---- rows ----------------------------------------------------------------------
     def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
@@ -264,8 +263,7 @@ class LookaheadPipeline:
         score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
                      self.next_blocks[:B], self.G, self.K, max_blocks=self.max_blocks, num_sink=self.S,
                      window_start=self.next_window[:B],
-                     out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
-                     all_heads=self.score_kernel[0] == "all-heads", block_tile=self.score_kernel[1])
+                     out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]))
 
     def select(self, layer: int) -> None:
         B, H = self.B, self.H
