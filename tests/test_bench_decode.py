@@ -1,0 +1,41 @@
+"""`oasiskv bench decode` on CPU at a tiny size (the GPU figures are in docs/benchmarks.md): it
+runs dense, sparse, the foreground-only form, the fetch-cap ablation and capacity mode in one
+process, and what it reports obeys the cap, the pools and its own arithmetic."""
+import argparse
+import json
+
+from oasiskv.bench.decode import FETCH_RATIOS, add_decode_args, run_decode_bench
+from oasiskv.entrypoints.args import add_engine_args
+
+
+def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    p = argparse.ArgumentParser()
+    add_decode_args(p)
+    add_engine_args(p)
+    args = p.parse_args(["--model", "smollm2-135m", "--load-format", "dummy", "--context-len", "600",
+                         "--batch-size", "2", "--batch-sizes", "2", "--context-lens", "600", "--sweep",
+                         "--no-prefetch-run", "--steps", "2", "--warmup", "1", "--top-k-blocks", "8",
+                         "--host-kv-gb", "0.2", "--kv-cache-gb", "0.2", "--fetch-ablation",
+                         "--gpu-kv-gb", "0.05", "--output-json", str(out)])
+    assert run_decode_bench(args) == 0
+    res = json.loads(out.read_text())
+    dense, sparse, fg = res["runs"]
+    assert (dense["mode"], sparse["mode"], fg["mode"], fg["prefetch"]) == ("dense", "sparse", "sparse", False)
+    assert fg["fetched_bytes_per_step"] == 0  # the foreground alone moves nothing
+    # smollm2: 30 layers, 3 kv heads, items of 2 x 16 x 64 float32 on CPU
+    item, per_cap_unit = 2 * 16 * 64 * 4, 2 * 3 * 30  # batch x heads x layers
+    for run in res["fetch_ablation"]:
+        assert 0 < run["fetched_bytes_per_step"] <= run["cap"] * per_cap_unit * item
+        assert 0 <= run["hit_rate"] <= 1
+        assert run["output_tok_s"] > 0 and run["roofline_ms"] > 0
+    assert [r["fetch_ratio"] for r in res["fetch_ablation"]] == list(FETCH_RATIOS)
+    caps = [r["cap"] for r in res["fetch_ablation"]]
+    assert caps == sorted(caps) and caps[-1] == 8  # fetch-all: C = K
+    cap = res["capacity"]
+    assert cap["sparse_max_batch"] == min(cap["sparse_max_batch_gpu"], cap["sparse_max_batch_host"])
+    assert cap["sparse_max_batch"] > cap["dense_max_batch"] >= 1
+    assert cap["admitted_ratio"] == cap["sparse_max_batch"] / cap["dense_max_batch"]
+    s = res["speedups"][0]
+    assert s["speedup"] == sparse["output_tok_s"] / dense["output_tok_s"]
+    assert "sparse / dense at batch 2, context 600" in capsys.readouterr().out
