@@ -25,19 +25,25 @@ PENDING = -1  # stands for a token still on the device (async scheduling), never
 class InFlight:
     """A decode step launched but not yet read back."""
     batch: ScheduledBatch
-    tokens: torch.Tensor  # sampled, on the device
+    tokens: torch.Tensor  # sampled, on the device (sparse pipeline rows: [n, 2] token, next draft)
     host_tokens: torch.Tensor  # their copy in pinned host memory, complete once `ready` fires
     ready: torch.cuda.Event | None  # None on CPU
     launched: float
+    runner: object = None  # set for a batch of sparse pipeline rows, whose pairs it reads
 
     @classmethod
     def launch(cls, runner, batch: ScheduledBatch, ids: torch.Tensor | None = None) -> "InFlight":
-        return cls(batch, *runner.launch_decode(batch.seqs, ids), time.perf_counter())
+        pipeline = runner.is_pipeline_batch(batch.seqs)
+        return cls(batch, *runner.launch_decode(batch.seqs, ids), time.perf_counter(),
+                   runner if pipeline else None)
 
     def read(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host_tokens.tolist()
+        values = self.host_tokens.tolist()
+        if self.runner is not None:
+            return self.runner.read_pipeline_decode(self.batch.seqs, values)
+        return values
 
 
 @dataclass
@@ -164,7 +170,8 @@ class LLMEngine:
             ids = cur.tokens[on_device([where[id(s)] for s in nxt], cur.tokens.device)]
             for s in nxt:
                 s.output_token_ids.append(PENDING)  # this step's token, filled in by postprocess
-                self.block_manager.grow(s, s.num_tokens)
+                if s.sparse is None:  # a sparse request's working set has a fixed size
+                    self.block_manager.grow(s, s.num_tokens)
             self._in_flight = InFlight.launch(self.runner, ScheduledBatch(nxt, [1] * len(nxt), False), ids)
             self.step_stats["overlapped_steps"] += 1
         tokens = cur.read()
@@ -174,9 +181,14 @@ class LLMEngine:
         return self.postprocess(cur.batch, tokens)
 
     def _overlappable(self, seqs: list[Sequence]) -> bool:
-        """Plain dense decode only: sparse steps, conversions and logits processors (which may
-        look at the tokens so far) take the synchronous path."""
-        return self.runner.sparse is None and not any(s.params.logits_processors for s in seqs)
+        """Plain dense decode, or a batch whose requests all decode sparse through the pipeline
+        (their next drafts are chosen on the device). Mixed batches, conversions, the in-line
+        sparse path and logits processors (which may look at the tokens so far) take the
+        synchronous path."""
+        if any(s.params.logits_processors for s in seqs):
+            return False
+        r = self.runner
+        return r.sparse is None or (r.is_pipeline_batch(seqs) and not r.pending_conversions)
 
     def _next_step_of(self, seqs: list[Sequence]) -> list[Sequence]:
         """The requests of a step in flight that certainly take another step: none when requests
@@ -186,7 +198,7 @@ class LLMEngine:
             return []
         nxt = [s for s in seqs if s.status == SequenceStatus.RUNNING
                and len(s.output_token_ids) + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len]
-        need = sum(self.block_manager.pages_needed(s, s.num_tokens + 1) for s in nxt)
+        need = sum(self.block_manager.pages_needed(s, s.num_tokens + 1) for s in nxt if s.sparse is None)
         return nxt if need <= self.block_manager.num_free else []
 
     def _convert_to_sparse(self) -> None:

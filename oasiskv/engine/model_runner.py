@@ -229,7 +229,11 @@ class ModelRunner(SparseDecodeMixin):
         """A dense decode step that does not wait for the device. Returns the sampled tokens on
         the device (the next step's inputs), a pinned host copy of them, and the event that marks
         the copy done. Async scheduling reads the host copy once the event fires: `.tolist()` on
-        the device tensor would queue behind the step launched after this one and wait for it too."""
+        the device tensor would queue behind the step launched after this one and wait for it too.
+        A batch of pipeline rows launches `launch_pipeline_decode` instead: ids and tokens are
+        then [n, 2] (token, draft) pairs, and `read_pipeline_decode` reads them."""
+        if self.is_pipeline_batch(seqs):
+            return self.launch_pipeline_decode(seqs, ids)
         hidden = self.run_decode(seqs, ids)
         tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs], [s.generator for s in seqs])
         if self.device.type != "cuda":
@@ -239,6 +243,10 @@ class ModelRunner(SparseDecodeMixin):
         ready = torch.cuda.Event()
         ready.record()
         return tokens, host, ready
+
+    def is_pipeline_batch(self, seqs: list[Sequence]) -> bool:
+        """Every request of the batch decodes sparse through the lookahead pipeline."""
+        return self.pipeline is not None and bool(seqs) and all(s.sparse is not None for s in seqs)
 
     def run_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
         ids, positions, meta = self.prepare_decode(seqs, ids)

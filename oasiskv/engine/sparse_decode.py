@@ -115,8 +115,23 @@ class SparseDecodeMixin:
         return [tokens[id(s)] for s in seqs]
 
     def run_pipeline_decode(self, seqs: list[Sequence]) -> list[int]:
-        """One step of the sparse requests: the pipeline's used rows run as one bucket (rows of
-        requests not in this batch, and padding, are inactive: they write and fetch nothing)."""
+        """One step of the sparse requests through the pipeline, waiting for its tokens."""
+        pairs, host, ready = self.launch_pipeline_decode(seqs)
+        if ready is not None:
+            ready.synchronize()
+        p = self.pipeline
+        stall = p.timing.stall_seconds() if p.timing is not None else 0.0  # the step is done
+        for s in seqs:
+            s.sparse.stats.stall_s += stall
+        return self.read_pipeline_decode(seqs, host.tolist())
+
+    def launch_pipeline_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
+        """A step of the sparse requests that does not wait for the device: the pipeline's used
+        rows run as one bucket (rows of requests not in this batch, and padding, are inactive:
+        they write and fetch nothing). ids: [n, 2] (token, draft) per request on the device, the
+        last step's outputs under async scheduling; default: from the host. Returns [n, 2]
+        (token, next draft) on the device, their pinned host copy and the copy's event (None
+        on CPU), as `launch_decode`; `read_pipeline_decode` takes the host values."""
         p, dev = self.pipeline, self.device
         use_graph = dev.type == "cuda" and not self.cfg.enforce_eager
         n = p.num_rows
@@ -125,22 +140,43 @@ class SparseDecodeMixin:
         if step is None:
             step = self.pipeline_steps[bucket] = SparseDecodeStep(
                 self.model, self.kv_caches, p, self.model_config.max_position_embeddings, use_graph, rows=bucket)
-        ids = [0] * (2 * bucket)
-        active = [False] * bucket
-        for s in seqs:
-            r, tok, draft = s.sparse.row, s.last_token_id, s.sparse.draft
-            ids[2 * r], ids[2 * r + 1] = tok, draft if draft is not None else tok
-            active[r] = True
-        p.active[:bucket].copy_(on_device(active, dev))
-        hidden = step.run(on_device(ids, dev))
+        if ids is None:
+            ids = on_device([[s.last_token_id, s.sparse.draft if s.sparse.draft is not None else s.last_token_id]
+                             for s in seqs], dev)
         rows = on_device([s.sparse.row for s in seqs], dev)
+        row_ids = torch.zeros(bucket, 2, dtype=torch.long, device=dev)
+        row_ids[rows] = ids
+        active = torch.zeros(bucket, dtype=torch.bool, device=dev)
+        active[rows] = True
+        p.active[:bucket].copy_(active)
+        hidden = step.run(row_ids.view(-1))
         logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
-        tokens, guesses = self._sample_with_lookahead(seqs, logits[0::2], logits[1::2])
-        stall = p.timing.stall_seconds() if p.timing is not None else 0.0  # the step has synced
-        for s, tok, guess in zip(seqs, tokens, guesses):
-            s.sparse.stats.stall_s += stall
-            self._advance(s.sparse, self.sparse.cfg.drafter, tok, guess)
-        return tokens
+        tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2])
+        drafts = p.advance_drafts(self.sparse.cfg.drafter, rows, ids[:, 1], tokens, guesses)
+        pairs = torch.stack([tokens, drafts], 1)
+        if dev.type != "cuda":
+            return pairs, pairs, None
+        host = torch.empty(pairs.shape, dtype=pairs.dtype, pin_memory=True)
+        host.copy_(pairs, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return pairs, host, ready
+
+    def read_pipeline_decode(self, seqs: list[Sequence], pairs: list[list[int]]) -> list[int]:
+        """A pipeline step's (token, next draft) per request, read back: count the step and
+        whether its draft was right, and keep the next draft (the device chose it)."""
+        drafter = self.sparse.cfg.drafter
+        for s, (tok, draft) in zip(seqs, pairs):
+            ws = s.sparse
+            if ws is None or s.is_finished:  # finished, aborted or preempted while in flight
+                continue
+            ws.stats.steps += 1
+            if drafter in USES_DRAFT_TOKEN:
+                ws.stats.drafts += 1
+                ws.stats.drafts_accepted += int(ws.draft == tok)
+            ws.history.append(tok)
+            ws.draft = draft
+        return [tok for tok, _ in pairs]
 
     @staticmethod
     def _advance(ws, drafter: str, tok: int, guess: int | None) -> None:
@@ -156,16 +192,21 @@ class SparseDecodeMixin:
 
     def _sample_with_lookahead(self, seqs: list[Sequence], token_logits: torch.Tensor,
                                draft_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """`_lookahead_samples`, read back to the host in one copy."""
+        tokens, guesses = torch.stack(self._lookahead_samples(seqs, token_logits, draft_logits)).tolist()
+        return tokens, guesses
+
+    def _lookahead_samples(self, seqs: list[Sequence], token_logits: torch.Tensor,
+                           draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A two-row step's tokens (real rows) and guesses (draft rows: the next draft if the
-        chain holds). A sampled sparse request draws each position's noise one step early
-        (`ws.noise`, see `sample`): its draft row samples with the noise its real row will use
-        at the next step, so while the chain holds the draft is the very token sampling will
-        pick, as the argmax is under greedy. Each request's stream of draws keeps its order
+        chain holds), on the device. A sampled sparse request draws each position's noise one
+        step early (`ws.noise`, see `sample`): its draft row samples with the noise its real row
+        will use at the next step, so while the chain holds the draft is the very token sampling
+        will pick, as the argmax is under greedy. Each request's stream of draws keeps its order
         (one position after another), so a seeded request samples as it does in dense decode."""
         params, gens = [s.params for s in seqs], [s.generator for s in seqs]
         if all(p.greedy for p in params):
-            tokens, guesses = torch.stack([sample(token_logits, params, gens), draft_logits.argmax(-1)]).tolist()
-            return tokens, guesses
+            return sample(token_logits, params, gens), draft_logits.argmax(-1)
         vocab, dev = token_logits.shape[-1], token_logits.device
         held = [s.sparse.noise if s.sparse is not None else None for s in seqs]
         missing = [i for i, n in enumerate(held) if n is None]
@@ -179,5 +220,4 @@ class SparseDecodeMixin:
         for s, row in zip(seqs, ahead):
             if s.sparse is not None:
                 s.sparse.noise = row
-        tokens, guesses = torch.stack([tokens, guesses]).tolist()  # one read back to the host
         return tokens, guesses

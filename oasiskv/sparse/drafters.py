@@ -6,6 +6,7 @@ import numpy as np
 
 # Drafters that send a draft token through the model alongside the real one.
 USES_DRAFT_TOKEN = {"self", "ngram", "oracle"}
+LOOKUP_MAX_N, LOOKUP_WINDOW = 3, 4096  # prompt lookup: n-grams up to 3 tokens, in the newest 4096
 
 
 class TokenHistory:
@@ -27,7 +28,8 @@ class TokenHistory:
         return self._buf[max(0, self._n - n):self._n]
 
 
-def ngram_propose(tokens: list[int] | TokenHistory, max_n: int = 3, window: int = 4096) -> int | None:
+def ngram_propose(tokens: list[int] | TokenHistory, max_n: int = LOOKUP_MAX_N,
+                  window: int = LOOKUP_WINDOW) -> int | None:
     """Prompt lookup: the token that followed the latest earlier occurrence of the newest
     n-gram (longest n first) in the request's own tokens."""
     h = tokens.tail(window) if isinstance(tokens, TokenHistory) else np.asarray(tokens[-window:], dtype=np.int64)

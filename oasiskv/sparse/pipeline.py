@@ -21,6 +21,8 @@ State, for up to R requests ("rows"), all on the device:
     kmin, kmax [L, NB, Hkv, D]     block summaries, row r's blocks from summary_offset[r]
     host extent of each row (start item, max blocks) for the transfer's addresses
     cached [R]              tokens in the cache before this step's token; active [R]
+    history [R, 4096]       each row's newest tokens (right-aligned), for drafts chosen on the
+                            device (`advance_drafts`)
 The foreground of a step reads tables built from this state (`step_tables`), so a step
 never needs the host to know which blocks are resident.
 """
@@ -29,9 +31,11 @@ from __future__ import annotations
 import torch
 
 from oasiskv.kernels.copy_items import DEFAULT_PROGRAMS, device_view, fetch_admitted, write_through
+from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.drafters import LOOKUP_WINDOW
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.summaries import fold_keys_
 
@@ -75,6 +79,8 @@ class LookaheadPipeline:
         self.cached = torch.zeros(R, **i32)
         self.active = torch.zeros(R, dtype=torch.bool, device=dev)
         self.step = torch.zeros((), **i32)
+        self.history = torch.full((R, LOOKUP_WINDOW), -1, dtype=torch.long, device=dev)
+        self.history_len = torch.zeros(R, dtype=torch.long, device=dev)
         self.stats = torch.zeros(R * H, 4, dtype=torch.long, device=dev)  # hits, missed, admitted, evicted
         # Per-step values every stage reads, computed once at the start of the step.
         self.next_blocks = torch.zeros(R, dtype=torch.long, device=dev)  # blocks at the next step
@@ -135,6 +141,10 @@ class LookaheadPipeline:
         self.kmax[:, offset:offset + ext.max_blocks] = ws.kmax
         self.cached[row] = cached
         self.active[row] = False
+        tail = torch.from_numpy(ws.history.tail(LOOKUP_WINDOW).copy())
+        self.history[row] = -1
+        self.history[row, LOOKUP_WINDOW - len(tail):] = tail.to(self.device)
+        self.history_len[row] = len(tail)
         ws.blocks = ws.last_selected = ws.kmin = ws.kmax = None  # the pipeline holds them now
         ws.row = row
         self.owners.append(ws)
@@ -149,7 +159,8 @@ class LookaheadPipeline:
             for t in (self.resident, self.last):
                 t[:, dst] = t[:, src]
             self.stats[dst] = self.stats[src]
-            for t in (self.pages, self.summary_offset, self.extent_start, self.extent_blocks, self.cached):
+            for t in (self.pages, self.summary_offset, self.extent_start, self.extent_blocks, self.cached,
+                      self.history, self.history_len):
                 t[row] = t[last]
             moved = self.owners[last]
             moved.row = row
@@ -158,6 +169,15 @@ class LookaheadPipeline:
         self.owners.pop()
         ws.row = None
         return counts
+
+    def advance_drafts(self, drafter: str, rows: torch.Tensor, drafts: torch.Tensor, tokens: torch.Tensor,
+                       guesses: torch.Tensor) -> torch.Tensor:
+        """After a step: each row's history takes its new token, and the next drafts [n] are
+        chosen on the device (`device_drafts.next_drafts`); rows, drafts (the ones the step ran
+        with), tokens, guesses: [n], in the caller's order."""
+        device_drafts.append(self.history, self.history_len, tokens, rows)
+        return device_drafts.next_drafts(drafter, self.history[rows], self.history_len[rows], drafts, tokens,
+                                         guesses)
 
     # ---- the foreground's tables, from the state alone ---------------------------------
     def step_tables(self):
