@@ -4,11 +4,14 @@ process, and what it reports obeys the cap, the pools and its own arithmetic."""
 import argparse
 import json
 
+import pytest
+
 from oasiskv.bench.decode import FETCH_RATIOS, add_decode_args, run_decode_bench
 from oasiskv.entrypoints.args import add_engine_args
 
 
-def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys, async_scheduling):
     out = tmp_path / "decode.json"
     p = argparse.ArgumentParser()
     add_decode_args(p)
@@ -17,10 +20,11 @@ def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys):
                          "--batch-size", "2", "--batch-sizes", "2", "--context-lens", "600", "--sweep",
                          "--no-prefetch-run", "--steps", "2", "--warmup", "1", "--top-k-blocks", "8",
                          "--host-kv-gb", "0.2", "--kv-cache-gb", "0.2", "--fetch-ablation",
-                         "--gpu-kv-gb", "0.05", "--output-json", str(out)])
+                         "--gpu-kv-gb", "0.05", "--async-scheduling", async_scheduling, "--output-json", str(out)])
     assert run_decode_bench(args) == 0
     res = json.loads(out.read_text())
     dense, sparse, fg = res["runs"]
+    assert dense["async_scheduling"] == sparse["async_scheduling"] == (async_scheduling == "on")
     assert (dense["mode"], sparse["mode"], fg["mode"], fg["prefetch"]) == ("dense", "sparse", "sparse", False)
     assert fg["fetched_bytes_per_step"] == 0  # the foreground alone moves nothing
     # smollm2: 30 layers, 3 kv heads, items of 2 x 16 x 64 float32 on CPU

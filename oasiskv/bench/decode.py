@@ -5,6 +5,8 @@ into the GPU page pool, the host pool and the block summaries), then the batch d
 `--steps` steps the way the engine does (graph replay, logits, greedy sampling, tokens back
 to the host every step). Dense attends every cached token from GPU pages; sparse attends its
 head-wise working set and runs the lookahead pipeline (predict, select, transfer) beside it.
+Both modes follow the engine's `--async-scheduling` (auto: on with CUDA): step t+1 is launched
+on step t's samples, still on the device, before the host reads step t's tokens.
 
 Random data makes the prediction churn: the predicted top-K of a step shares little with the
 last one, so the fetch cap is saturated every step — the worst case for the transfer path.
@@ -72,6 +74,7 @@ class DecodeBench:
         r.kv.normal_()  # synthetic KV everywhere in the GPU pool
         self.host = None
         self.sparse_cfg = dataclasses.replace(cfg.sparse_config(), enabled=True)  # validates the flags
+        self.overlap = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto" and r.device.type == "cuda")
 
     # ---- sizes ----------------------------------------------------------------------
     def blocks(self, context: int) -> int:
@@ -107,10 +110,24 @@ class DecodeBench:
             s.num_cached_tokens = context - 1
             seqs.append(s)
 
-        def step():
-            tokens = r.model.compute_logits(r.run_decode(seqs)).argmax(-1).tolist()
-            for s, t in zip(seqs, tokens):
-                s.output_token_ids.append(t)
+        if self.overlap:
+            from oasiskv.engine.llm_engine import PENDING
+            in_flight = None
+
+            def step():  # as LLMEngine._read_in_flight: launch t+1, then read t
+                nonlocal in_flight
+                launched = r.launch_decode(seqs, in_flight[0] if in_flight else None)
+                for s in seqs:
+                    s.output_token_ids.append(PENDING)  # this step's token, read a step later
+                if in_flight is not None:
+                    for s, t in zip(seqs, _read(*in_flight[1:])):
+                        s.output_token_ids[-2] = t
+                in_flight = launched
+        else:
+            def step():
+                tokens = r.model.compute_logits(r.run_decode(seqs)).argmax(-1).tolist()
+                for s, t in zip(seqs, tokens):
+                    s.output_token_ids.append(t)
 
         seconds = self._time(step)
         kv = batch * context * self.mc.kv_bytes_per_token(r.dtype.itemsize)
@@ -158,13 +175,21 @@ class DecodeBench:
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
+            in_flight = None
+
             def step():
-                nonlocal ids
+                nonlocal ids, in_flight
                 logits = r.model.compute_logits(step_fn.run(ids))
                 tokens = logits[0::2].argmax(-1)
                 drafts = logits[1::2].argmax(-1)  # `self`: the draft row's own next-token guess
-                tokens.tolist()  # the engine needs the tokens on the host every step
                 ids = torch.stack([tokens, drafts], 1).view(-1)
+                # The engine needs the tokens on the host every step: now, or (async) one step later.
+                launched = _to_host(tokens)
+                if not self.overlap:
+                    _read(*launched)
+                elif in_flight is not None:
+                    _read(*in_flight)
+                in_flight = launched
 
             counters = lambda: (p.stats.sum(0).tolist(), p.fetched_bytes)  # noqa: E731
             seconds, (before, after) = self._time(step, counters)
@@ -242,7 +267,7 @@ class DecodeBench:
         hbm_s = (weights + kv_read + summaries + fetched) / HBM_BYTES_PER_S  # fetched items land in HBM
         pcie_s = fetched / PCIE_BYTES_PER_S
         return {
-            "mode": mode, "batch": batch, "context": context, "fits": True,
+            "mode": mode, "batch": batch, "context": context, "fits": True, "async_scheduling": self.overlap,
             "step_ms": 1e3 * seconds, "tpot_ms": 1e3 * seconds, "output_tok_s": batch / seconds,
             "weight_bytes": weights, "kv_read_bytes_per_step": kv_read, "summary_bytes_per_step": summaries,
             "fetched_bytes_per_step": fetched, "transfer_gb_s": fetched / seconds / 1e9,
@@ -398,6 +423,23 @@ def plot_sweep(runs: list[dict], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _to_host(tokens: torch.Tensor):
+    """An async copy of `tokens` to pinned host memory and its event (the engine's way)."""
+    if not tokens.is_cuda:
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _read(host: torch.Tensor, ready) -> list[int]:
+    if ready is not None:
+        ready.synchronize()
+    return host.tolist()
 
 
 def _ints(text: str) -> list[int]:
