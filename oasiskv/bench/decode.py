@@ -23,6 +23,7 @@ import time
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S, weight_bytes_per_step
+from oasiskv.engine.sampler import to_host
 from oasiskv.entrypoints.args import engine_config
 
 FETCH_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 1.0)
@@ -184,7 +185,7 @@ class DecodeBench:
                 drafts = logits[1::2].argmax(-1)  # `self`: the draft row's own next-token guess
                 ids = torch.stack([tokens, drafts], 1).view(-1)
                 # The engine needs the tokens on the host every step: now, or (async) one step later.
-                launched = _to_host(tokens)
+                launched = to_host(tokens)
                 if not self.overlap:
                     _read(*launched)
                 elif in_flight is not None:
@@ -423,17 +424,6 @@ def plot_sweep(runs: list[dict], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _to_host(tokens: torch.Tensor):
-    """An async copy of `tokens` to pinned host memory and its event (the engine's way)."""
-    if not tokens.is_cuda:
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 def _read(host: torch.Tensor, ready) -> list[int]:

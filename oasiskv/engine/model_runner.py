@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from oasiskv.config import EngineConfig
-from oasiskv.engine.sampler import on_device, sample
+from oasiskv.engine.sampler import on_device, sample, to_host
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.sparse_decode import SparseDecodeMixin
@@ -236,13 +236,7 @@ class ModelRunner(SparseDecodeMixin):
             return self.launch_pipeline_decode(seqs, ids)
         hidden = self.run_decode(seqs, ids)
         tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs], [s.generator for s in seqs])
-        if self.device.type != "cuda":
-            return tokens, tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return tokens, host, ready
+        return tokens, *to_host(tokens)
 
     def is_pipeline_batch(self, seqs: list[Sequence]) -> bool:
         """Every request of the batch decodes sparse through the lookahead pipeline."""

@@ -51,6 +51,19 @@ def on_device(values: list, dev: torch.device) -> torch.Tensor:
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
+def to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Device values to pinned host memory without waiting: the copy and the event that marks
+    it done (None on CPU, where the tensor itself is returned). `.tolist()` on the device
+    tensor would queue behind whatever is launched after it and wait for that too."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each request's processors see its row and may replace it (a copy: the caller's logits,
     e.g. the draft rows of a sparse step, stay as they are)."""

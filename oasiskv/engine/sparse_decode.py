@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv.engine.sampler import draw_noise, on_device, sample
+from oasiskv.engine.sampler import draw_noise, on_device, sample, to_host
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse.decode_step import SparseDecodeStep
@@ -154,13 +154,7 @@ class SparseDecodeMixin:
         tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2])
         drafts = p.advance_drafts(self.sparse.cfg.drafter, rows, ids[:, 1], tokens, guesses)
         pairs = torch.stack([tokens, drafts], 1)
-        if dev.type != "cuda":
-            return pairs, pairs, None
-        host = torch.empty(pairs.shape, dtype=pairs.dtype, pin_memory=True)
-        host.copy_(pairs, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return pairs, host, ready
+        return pairs, *to_host(pairs)
 
     def read_pipeline_decode(self, seqs: list[Sequence], pairs: list[list[int]]) -> list[int]:
         """A pipeline step's (token, next draft) per request, read back: count the step and
