@@ -163,7 +163,8 @@ class SparseDecodeMixin:
         for s, (tok, draft) in zip(seqs, pairs):
             ws = s.sparse
             if ws is None or s.is_finished:  # finished, aborted or preempted while in flight
-                continue
+                continue  # (its row ran the step: a request that ends on EOS under async
+                #            scheduling counts one extra step's hits and admissions)
             ws.stats.steps += 1
             if drafter in USES_DRAFT_TOKEN:
                 ws.stats.drafts += 1
