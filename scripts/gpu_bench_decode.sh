@@ -19,8 +19,9 @@ quick)
   [ "${CHECK:-1}" = 1 ] && python3 scripts/gpu_check_pipeline.py --json "$OUT/check_pipeline.json" 2>&1 | tee "$OUT/check_pipeline.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --transfer-programs 8,16 --transfer-backend uva,dma --no-prefetch-run --output-json "$OUT/decode_b16.json" 2>&1 | tee "$OUT/decode_b16.log"
   ;;
-b16)  # the equal-batch acceptance rows only: dense and sparse at batch 16, 16K and 32K
-  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --output-json "$OUT/decode_b16.json" 2>&1 | tee "$OUT/decode_b16.log"
+b16)  # the equal-batch acceptance rows only: dense and sparse at batch 16, 16K and 32K, async scheduling off and on
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --async-modes off,on \
+    --output-json "$OUT/decode_b16.json" 2>&1 | tee "$OUT/decode_b16.log"
   ;;
 full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool)
   bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --fetch-ablation \

@@ -42,4 +42,20 @@ def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys, asy
     assert cap["admitted_ratio"] == cap["sparse_max_batch"] / cap["dense_max_batch"]
     s = res["speedups"][0]
     assert s["speedup"] == sparse["output_tok_s"] / dense["output_tok_s"]
-    assert "sparse / dense at batch 2, context 600" in capsys.readouterr().out
+    assert f"sparse / dense at batch 2, context 600, async scheduling {async_scheduling}" in capsys.readouterr().out
+
+
+def test_bench_decode_async_modes_side_by_side(tmp_path):
+    out = tmp_path / "decode.json"
+    p = argparse.ArgumentParser()
+    add_decode_args(p)
+    add_engine_args(p)
+    args = p.parse_args(["--model", "smollm2-135m", "--load-format", "dummy", "--sweep", "--batch-sizes", "2",
+                         "--context-lens", "600", "--steps", "2", "--warmup", "1", "--top-k-blocks", "8",
+                         "--host-kv-gb", "0.2", "--kv-cache-gb", "0.2", "--async-modes", "off,on",
+                         "--output-json", str(out)])
+    assert run_decode_bench(args) == 0
+    res = json.loads(out.read_text())
+    assert [(r["mode"], r["async_scheduling"]) for r in res["runs"]] == [
+        ("dense", False), ("sparse", False), ("dense", True), ("sparse", True)]
+    assert sorted(s["async_scheduling"] for s in res["speedups"]) == [False, True]

@@ -40,6 +40,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
+    p.add_argument("--async-modes", default=None,
+                   help="comma list of off / on: run the equal-batch part once per async-scheduling mode, side "
+                        "by side (default: the engine's --async-scheduling only)")
     p.add_argument("--no-prefetch-run", action="store_true",
                    help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
                         "decode — nothing is fetched — but its time is the floor the pipeline adds to)")
@@ -326,17 +329,21 @@ def run_decode_bench(args) -> int:
     if args.sweep or not (args.gpu_kv_gb is not None or args.fetch_ablation):
         batches = _ints(args.batch_sizes) if args.sweep else [args.batch_size]
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
+        engine_overlap = bench.overlap
+        overlaps = [m == "on" for m in args.async_modes.split(",")] if args.async_modes else [engine_overlap]
         for context in contexts:
             for batch in batches:
-                if "dense" in modes:
-                    record(bench.run_dense(batch, context))
-                if "sparse" in modes:
-                    for backend in args.transfer_backend.split(","):
-                        for programs in _ints(args.transfer_programs) if backend == "uva" else [0]:
-                            record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                    transfer_backend=backend))
-                    if args.no_prefetch_run:
-                        record(bench.run_sparse(batch, context, prefetch=False))
+                for bench.overlap in overlaps:
+                    if "dense" in modes:
+                        record(bench.run_dense(batch, context))
+                    if "sparse" in modes:
+                        for backend in args.transfer_backend.split(","):
+                            for programs in _ints(args.transfer_programs) if backend == "uva" else [0]:
+                                record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                        transfer_backend=backend))
+                        if args.no_prefetch_run:
+                            record(bench.run_sparse(batch, context, prefetch=False))
+        bench.overlap = engine_overlap
     if args.fetch_ablation:
         result["fetch_ablation"] = []
         print(f"fetch-cap ablation, batch {args.batch_size}, context {args.context_len}:")
@@ -353,7 +360,8 @@ def run_decode_bench(args) -> int:
     if result["runs"]:
         result["speedups"] = speedups(result["runs"])
         for s in result["speedups"]:
-            print(f"sparse / dense at batch {s['batch']}, context {s['context']}: {s['speedup']:.2f}x output tok/s")
+            print(f"sparse / dense at batch {s['batch']}, context {s['context']}, async scheduling "
+                  f"{'on' if s['async_scheduling'] else 'off'}: {s['speedup']:.2f}x output tok/s")
     save()
     if args.plot and result["runs"]:
         plot_sweep(result["runs"], args.plot)
@@ -363,15 +371,16 @@ def run_decode_bench(args) -> int:
 def speedups(runs: list[dict]) -> list[dict]:
     by = {}
     for r in runs:  # the best sparse run of each shape (over transfer grids), prefetch on
-        key = (r["mode"], r["batch"], r["context"])
+        key = (r["mode"], r["batch"], r["context"], r.get("async_scheduling"))
         if r.get("fits") and r.get("prefetch", True) and (key not in by or r["output_tok_s"] > by[key]["output_tok_s"]):
             by[key] = r
-    return [{"batch": b, "context": c, "speedup": by[("sparse", b, c)]["output_tok_s"] / d["output_tok_s"]}
-            for (m, b, c), d in by.items() if m == "dense" and ("sparse", b, c) in by]
+    return [{"batch": b, "context": c, "async_scheduling": a,
+             "speedup": by[("sparse", b, c, a)]["output_tok_s"] / d["output_tok_s"]}
+            for (m, b, c, a), d in by.items() if m == "dense" and ("sparse", b, c, a) in by]
 
 
 def print_header() -> None:
-    print(f"{'mode':>6} {'batch':>5} {'context':>7} {'ratio':>5} {'G':>3} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
+    print(f"{'mode':>6} {'batch':>5} {'context':>7} {'async':>5} {'ratio':>5} {'G':>3} {'tok/s':>8} {'step ms':>8} {'KV GB':>6} "
           f"{'fetch MB':>8} {'GB/s':>5} {'hit':>5} {'stall%':>6} {'late%':>5} {'roof%':>5}", flush=True)
 
 
@@ -381,7 +390,8 @@ def print_row(r: dict) -> None:
         return
     sp = r["mode"] == "sparse"
     mode = r["mode"] if r.get("prefetch", True) else "fg"
-    print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {r.get('fetch_ratio', 0) if sp else '':>5} "
+    print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {'on' if r.get('async_scheduling') else 'off':>5} "
+          f"{r.get('fetch_ratio', 0) if sp else '':>5} "
           f"{(r.get('transfer_programs') if r.get('transfer_backend') == 'uva' else 'dma') if sp else '':>3} "
           f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
           f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
