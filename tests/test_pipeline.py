@@ -56,6 +56,38 @@ def test_async_pipeline_steps_match_sync(temperature):
         assert {k: got.stats[k] for k in keys} == {k: ref.stats[k] for k in keys}
 
 
+def test_async_pipeline_stop_token_and_abort_in_flight():
+    """Under async scheduling a request that stops on a token (unknown until read: the next
+    step already runs it) and one aborted mid-run leave their rows while a step is in flight;
+    the others decode what they decode synchronously and every row and page comes back."""
+    text = open(argparse.__file__).read()
+    outs = {}
+    for mode in ("off", "on"):
+        llm = LLM(sparse_pipeline="on", async_scheduling=mode, **BUDGET)
+        eng = llm.engine
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        prompts = [ids[:400], ids[3000:3330], ids[9000:9300]]
+        greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        probe = llm.generate(prompts[:1], greedy)[0].token_ids  # a token the first request will emit
+        stop = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[probe[9]])
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, [stop, greedy, greedy])]
+        got = {}
+        for i in range(200):
+            if i == 12:
+                eng.abort(rids[2])
+            for o in eng.step():
+                if o.finished:
+                    got[o.request_id] = (o.token_ids, o.finish_reason)
+            if not eng.has_unfinished():
+                break
+        assert rids[2] not in got and got[rids[0]][1] == "stop"
+        assert eng.runner.pipeline.num_rows == 0 and eng.block_manager.num_free == eng.block_manager.num_pages
+        if mode == "on":
+            assert eng.step_stats["overlapped_steps"] > 0
+        outs[mode] = [got[rids[0]], got[rids[1]]]
+    assert outs["on"] == outs["off"]
+
+
 def test_dma_backend_moves_what_the_kernel_moves():
     """Transfer backends: the CPU gather + one DMA copy ("dma", between steps) leaves the GPU pool
     as the in-step copy ("uva") does, for the same selections."""
