@@ -2,7 +2,8 @@
 
 PYTHONPATH=. python3 scripts/gpu_check_sparse_engine.py [--model smollm2-135m] [--prompt-len 2048]
 Dummy weights (no real checkpoint travels to the GPU machine): compares every step's logits
-(relative error) and the greedy tokens, then runs a capped budget and prints its stats.
+(relative error) and the greedy tokens, then runs a capped budget three ways (pipeline with
+async scheduling, pipeline synchronous, in-line path): their tokens must agree.
 """
 from __future__ import annotations
 
@@ -66,26 +67,34 @@ def main():
     first_diff = min((next((i for i, (x, y) in enumerate(zip(o.token_ids, d.token_ids)) if x != y), a.steps + 1)
                       for o, d in zip(out, dense)))
     del sparse
-    capped = {}
-    for mode in ("on", "off"):  # the capped budget through the pipeline and through the in-line path
+    capped, overlapped = {}, 0
+    # The capped budget through the pipeline (async scheduling, then synchronous) and through the
+    # in-line path.
+    for mode, sync in (("on", "on"), ("on", "off"), ("off", "off")):
         llm = LLM(a.model, sparse=True, top_k_blocks=32, sparse_threshold=1024, host_kv_gb=4.0,
-                  sparse_pipeline=mode, **common)
-        capped[mode] = llm.generate(prompts, params)
+                  sparse_pipeline=mode, async_scheduling=sync, **common)
+        capped[mode, sync] = llm.generate(prompts, params)
+        overlapped = max(overlapped, llm.engine.step_stats["overlapped_steps"] if sync == "on" else 0)
         del llm
         torch.cuda.empty_cache()
-    pipeline_same = [x.token_ids == y.token_ids for x, y in zip(capped["on"], capped["off"])]
+    pipeline_same = [x.token_ids == y.token_ids for x, y in zip(capped["on", "off"], capped["off", "off"])]
+    async_same = [x.token_ids == y.token_ids and x.stats["draft_acceptance"] == y.stats["draft_acceptance"]
+                  for x, y in zip(capped["on", "on"], capped["on", "off"])]
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,
-           "full_budget_stats": out[0].stats, "capped_stats": capped["on"][0].stats,
-           "capped_in_line_stats": capped["off"][0].stats,
-           "capped_pipeline_tokens_equal_in_line": pipeline_same}
+           "full_budget_stats": out[0].stats, "capped_stats": capped["on", "off"][0].stats,
+           "capped_in_line_stats": capped["off", "off"][0].stats,
+           "capped_pipeline_tokens_equal_in_line": pipeline_same,
+           "capped_async_equal_sync": async_same, "async_overlapped_steps": overlapped}
     print(json.dumps(res, indent=1))
     ok = max(rel) < 3e-2 and all(same)
     print("PASS" if ok else "FAIL", f"full-budget sparse vs dense: max relative logit error {max(rel):.2e}, "
           f"tokens equal {same}")
     print("PASS" if all(pipeline_same) else "FAIL", f"capped budget, pipeline vs in-line tokens equal {pipeline_same}")
+    print("PASS" if all(async_same) and overlapped else "FAIL", f"capped budget, pipeline with async scheduling vs "
+          f"without: tokens and draft acceptance equal {async_same}, {overlapped} overlapped steps")
     if os.environ.get("OUT"):
         name = f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}_{a.prompt_len}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
