@@ -54,22 +54,8 @@ class ProfiledBench(DecodeBench):
         print(f"--- {self.label}: {total / 1e3:.2f} ms of kernel time per step (summed over streams)")
         for r in rows[:30]:
             print(f"{r['us_per_step']:9.1f} us {r['calls_per_step']:6.0f}x  {r['name']}")
-        # the step time itself comes from the same steps without the profiler
-        for _ in range(2):
-            step()
-        _sync()
-        return _plain_time(self, step, counters)
-
-
-def _plain_time(bench, step, counters):
-    import time
-    before = counters() if counters else None
-    t0 = time.perf_counter()
-    for _ in range(bench.args.steps):
-        step()
-    _sync()
-    seconds = (time.perf_counter() - t0) / bench.args.steps
-    return (seconds, (before, counters())) if counters else seconds
+        # the step time itself: the bench's own timed loop, without the profiler
+        return super()._time(step, counters)
 
 
 def main():

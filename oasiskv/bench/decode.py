@@ -23,7 +23,7 @@ import time
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S, weight_bytes_per_step
-from oasiskv.engine.sampler import to_host
+from oasiskv.engine.sampler import read_host, to_host
 from oasiskv.entrypoints.args import engine_config
 
 FETCH_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 1.0)
@@ -124,7 +124,7 @@ class DecodeBench:
                 for s in seqs:
                     s.output_token_ids.append(PENDING)  # this step's token, read a step later
                 if in_flight is not None:
-                    for s, t in zip(seqs, _read(*in_flight[1:])):
+                    for s, t in zip(seqs, read_host(*in_flight[1:])):
                         s.output_token_ids[-2] = t
                 in_flight = launched
         else:
@@ -190,9 +190,9 @@ class DecodeBench:
                 # The engine needs the tokens on the host every step: now, or (async) one step later.
                 launched = to_host(tokens)
                 if not self.overlap:
-                    _read(*launched)
+                    read_host(*launched)
                 elif in_flight is not None:
-                    _read(*in_flight)
+                    read_host(*in_flight)
                 in_flight = launched
 
             counters = lambda: (p.stats.sum(0).tolist(), p.fetched_bytes)  # noqa: E731
@@ -434,12 +434,6 @@ def plot_sweep(runs: list[dict], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _read(host: torch.Tensor, ready) -> list[int]:
-    if ready is not None:
-        ready.synchronize()
-    return host.tolist()
 
 
 def _ints(text: str) -> list[int]:

@@ -11,7 +11,7 @@ from oasiskv.bench.roofline import kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.config import EngineConfig
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.model_runner import ModelRunner
-from oasiskv.engine.sampler import on_device
+from oasiskv.engine.sampler import on_device, read_host
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.models.tokenizer import load_tokenizer
@@ -38,9 +38,7 @@ class InFlight:
                    runner if pipeline else None)
 
     def read(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        values = self.host_tokens.tolist()
+        values = read_host(self.host_tokens, self.ready)
         if self.runner is not None:
             return self.runner.read_pipeline_decode(self.batch.seqs, values)
         return values

@@ -64,6 +64,13 @@ def to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
     return host, ready
 
 
+def read_host(host: torch.Tensor, ready: torch.cuda.Event | None) -> list:
+    """`to_host`'s copy as a list, once its event has fired."""
+    if ready is not None:
+        ready.synchronize()
+    return host.tolist()
+
+
 def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each request's processors see its row and may replace it (a copy: the caller's logits,
     e.g. the draft rows of a sparse step, stay as they are)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv.engine.sampler import draw_noise, on_device, sample, to_host
+from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample, to_host
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse.decode_step import SparseDecodeStep
@@ -117,13 +117,12 @@ class SparseDecodeMixin:
     def run_pipeline_decode(self, seqs: list[Sequence]) -> list[int]:
         """One step of the sparse requests through the pipeline, waiting for its tokens."""
         pairs, host, ready = self.launch_pipeline_decode(seqs)
-        if ready is not None:
-            ready.synchronize()
+        values = read_host(host, ready)
         p = self.pipeline
         stall = p.timing.stall_seconds() if p.timing is not None else 0.0  # the step is done
         for s in seqs:
             s.sparse.stats.stall_s += stall
-        return self.read_pipeline_decode(seqs, host.tolist())
+        return self.read_pipeline_decode(seqs, values)
 
     def launch_pipeline_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """A step of the sparse requests that does not wait for the device: the pipeline's used
@@ -158,29 +157,31 @@ class SparseDecodeMixin:
 
     def read_pipeline_decode(self, seqs: list[Sequence], pairs: list[list[int]]) -> list[int]:
         """A pipeline step's (token, next draft) per request, read back: count the step and
-        whether its draft was right, and keep the next draft (the device chose it)."""
+        whether its draft was right, and keep the next draft (the device chose it, from the
+        row's history on the device; the host's `ws.history` is not kept up for pipeline rows)."""
         drafter = self.sparse.cfg.drafter
         for s, (tok, draft) in zip(seqs, pairs):
             ws = s.sparse
             if ws is None or s.is_finished:  # finished, aborted or preempted while in flight
                 continue  # (its row ran the step: a request that ends on EOS under async
                 #            scheduling counts one extra step's hits and admissions)
-            ws.stats.steps += 1
-            if drafter in USES_DRAFT_TOKEN:
-                ws.stats.drafts += 1
-                ws.stats.drafts_accepted += int(ws.draft == tok)
-            ws.history.append(tok)
+            self._count_step(ws, drafter, tok)
             ws.draft = draft
         return [tok for tok, _ in pairs]
 
     @staticmethod
-    def _advance(ws, drafter: str, tok: int, guess: int | None) -> None:
-        """After a step: count it and whether its draft was right, then pick the next draft
-        (the oracle's comes from its own first pass instead)."""
+    def _count_step(ws, drafter: str, tok: int) -> None:
+        """A step of the request is done: count it, and whether its draft was `tok`."""
         ws.stats.steps += 1
         if drafter in USES_DRAFT_TOKEN:
             ws.stats.drafts += 1
             ws.stats.drafts_accepted += int(ws.draft == tok)
+
+    @classmethod
+    def _advance(cls, ws, drafter: str, tok: int, guess: int | None) -> None:
+        """After an in-line step: count it, then pick the next draft on the host (the oracle's
+        comes from its own first pass instead)."""
+        cls._count_step(ws, drafter, tok)
         ws.history.append(tok)
         if drafter != "oracle":
             ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)

@@ -47,8 +47,11 @@ def next_drafts(drafter: str, history: torch.Tensor, lengths: torch.Tensor, draf
     return torch.where(drafts == tokens, guesses, fallback)
 
 
-def append(history: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
-    """Add one token to each of `rows` (in place): the window shifts left by one."""
+def append(history: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor):
+    """Add one token to each of `rows` (in place): the window shifts left by one. Returns the
+    rows' new windows and lengths."""
     h = history[rows]
-    history[rows] = torch.cat([h[:, 1:], tokens[:, None].to(h.dtype)], 1)
-    lengths[rows] = (lengths[rows] + 1).clamp_max(history.shape[1])
+    h = torch.cat([h[:, 1:], tokens[:, None].to(h.dtype)], 1)
+    n = (lengths[rows] + 1).clamp_max(history.shape[1])
+    history[rows], lengths[rows] = h, n
+    return h, n

@@ -175,9 +175,8 @@ class LookaheadPipeline:
         """After a step: each row's history takes its new token, and the next drafts [n] are
         chosen on the device (`device_drafts.next_drafts`); rows, drafts (the ones the step ran
         with), tokens, guesses: [n], in the caller's order."""
-        device_drafts.append(self.history, self.history_len, tokens, rows)
-        return device_drafts.next_drafts(drafter, self.history[rows], self.history_len[rows], drafts, tokens,
-                                         guesses)
+        window, lengths = device_drafts.append(self.history, self.history_len, tokens, rows)
+        return device_drafts.next_drafts(drafter, window, lengths, drafts, tokens, guesses)
 
     # ---- the foreground's tables, from the state alone ---------------------------------
     def step_tables(self):
