@@ -25,7 +25,7 @@ import sys
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S
-from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_triton,
+from oasiskv.sparse.block_scores import (BOUNDS_KERNELS, COMBINES, head_bounds_ref, head_bounds_triton,
                                          score_blocks_ref, score_blocks_torch,
                                          score_blocks_triton, score_select_triton, score_topk_triton,
                                          topk_blocks)
@@ -94,15 +94,22 @@ def topk_mismatches(ids, ref, k, rel_tol=1e-4):
 
 
 def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
+    for kernel in BOUNDS_KERNELS:
+        check_scores_with(kernel, R, max_blocks, k, dtype, window, tile, **shape)
+
+
+def check_scores_with(kernel, R, max_blocks, k, dtype, window=False, tile=64, **shape):
     q, kmin, kmax, off, nb = score_inputs(R, max_blocks, dtype, seed=max_blocks + k, **shape)
     kw = {}
     if window:  # sinks 0..3 and a 4-block window left out of the ranking
         kw = dict(num_sink=4, window_start=(nb - 4).clamp_min(0).int())
+    ref_kw = dict(kw)
+    kw["kernel"] = kernel
     g = shape.get("g", G)
-    name = f"{str(dtype)[6:]} R{R} M{max_blocks} k{k} {shape or ''}{' sink+window' if window else ''}"
+    name = f"{kernel} {str(dtype)[6:]} R{R} M{max_blocks} k{k} {shape or ''}{' sink+window' if window else ''}"
     u = torch.full((R, q.shape[1], max_blocks), float("nan"), device=q.device)
     head_bounds_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile, out=u, **kw)
-    ref_u = head_bounds_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
+    ref_u = head_bounds_ref(q, kmin, kmax, off, nb, g, max_blocks, **ref_kw)
     written = not u.isnan().any().item()
     scale = ref_u[torch.isfinite(ref_u)].abs().max().item()
     err, same_inf = score_err(torch.where(u.isnan(), 0.0, u), ref_u, scale)
@@ -111,7 +118,7 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
     for combine in COMBINES:
         out = score_blocks_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile,
                                   combine=combine, **kw)
-        ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, combine=combine, **kw)
+        ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, combine=combine, **ref_kw)
         err, same_inf = score_err(out, ref, scale)
         ids, _ = score_topk_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile,
                                    combine=combine, **kw)
@@ -119,7 +126,7 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
         record(f"scores {combine} {name}", err < 1e-5 and same_inf and bad == 0,
                rel_err=f"{err:.1e}", inf_pattern=same_inf, topk_rows_differ=bad)
     # The pipeline's fused combine + select: the same set as top-K, each id with its score.
-    ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
+    ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **ref_kw)
     ids, vals = score_select_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile, **kw)
     bad = topk_mismatches(ids, ref, k)
     paired = torch.where(ids >= 0, ref.gather(2, ids.long().clamp_min(0)), vals)
@@ -243,9 +250,15 @@ def run_timings(R=16, max_blocks=2048, k=128):
         q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=best["tile"], combine="sum")), best))
     rows.append((f"torch.topk only, k={k}", bench(lambda: topk_blocks(out, k)), {}))
     sel = (torch.empty(R * HKV, k, dtype=torch.int32, device=DEV), torch.empty(R * HKV, k, device=DEV))
-    for tile in (32, 64, 128):
-        rows.append((f"fused select k={k} tile{tile}", bench(lambda: score_select_triton(
-            q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=tile, out=sel)), dict(tile=tile)))
+    for kernel in BOUNDS_KERNELS:
+        for tile in (32, 64, 128):
+            for warps in (4, 8):
+                rows.append((f"{kernel} bounds tile{tile} warps{warps}", bench(lambda: head_bounds_triton(
+                    q, kmin, kmax, off, nb, G, max_blocks, block_tile=tile, num_warps=warps, out=bounds,
+                    kernel=kernel)), dict(kernel=kernel, tile=tile, warps=warps)))
+            rows.append((f"{kernel} fused select k={k} tile{tile}", bench(lambda: score_select_triton(
+                q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=tile, out=sel, kernel=kernel)),
+                dict(kernel=kernel, tile=tile)))
     for kk in (64, 256):
         rows.append((f"score+topk k={kk} (best config)", bench(lambda: score_topk_triton(
             q, kmin, kmax, off, nb, G, kk, max_blocks, block_tile=best["tile"])), best))

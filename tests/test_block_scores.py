@@ -5,6 +5,7 @@ be set before triton is imported). Interpreter cases use float32/float16 only (D
 bf16 is checked on the GPU by scripts/gpu_check_sparse.py."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
-from oasiskv.sparse.block_scores import (COMBINES, RANGE_WEIGHT, combine_heads,
+from oasiskv.sparse.block_scores import (BOUNDS_KERNELS, COMBINES, RANGE_WEIGHT, combine_heads,
                                          head_bounds_ref, score_blocks_ref, score_blocks_torch,
                                          score_topk, topk_blocks)
 from oasiskv.sparse.summaries import block_minmax
@@ -180,16 +181,18 @@ def run_interpreter_cases() -> dict:
     from oasiskv.sparse.block_scores import (head_bounds_triton, score_blocks_triton,
                                              score_select_triton, score_topk_triton)
     results = {}
-    for name, (R, Hkv, G, D, nbs, dtype, kw) in TRITON_CASES.items():
+    for (name, (R, Hkv, G, D, nbs, dtype, kw)), kernel in itertools.product(TRITON_CASES.items(), BOUNDS_KERNELS):
         q, kmin, kmax, off, nb, _ = make_inputs(R, Hkv, G, D, nbs, dtype, seed=len(name))
+        kw = dict(kw, kernel=kernel)
         if "window_start" in kw:
             kw = dict(kw, window_start=torch.tensor(kw["window_start"], dtype=torch.int32))
-        ref_u = head_bounds_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
+        ref_kw = {k: v for k, v in kw.items() if k != "kernel"}
+        ref_u = head_bounds_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **ref_kw)
         u = head_bounds_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE, **kw)
         scale = finite_max(ref_u)
         res = {"bounds_rel_err": abs_err(u, ref_u) / scale}
         for combine in COMBINES:
-            ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, combine=combine, **kw)
+            ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, combine=combine, **ref_kw)
             out = score_blocks_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE,
                                       combine=combine, **kw)
             ids, vals = score_topk_triton(q, kmin, kmax, off, nb, G, K, MAX_BLOCKS, block_tile=TILE,
@@ -199,7 +202,7 @@ def run_interpreter_cases() -> dict:
                             "vals_match_scores": bool(torch.equal(
                                 torch.where(ids >= 0, out.gather(2, ids.long().clamp_min(0)), vals), vals))}
         # The fused combine + select (shifted max): the same set, each id with its score.
-        ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
+        ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **ref_kw)
         for k in (K, MAX_BLOCKS + 3):  # also more than the row has: -1 / -inf padding
             ids, vals = score_select_triton(q, kmin, kmax, off, nb, G, k, MAX_BLOCKS, block_tile=TILE, **kw)
             got = ref.gather(2, ids.long().clamp_min(0))
@@ -207,7 +210,7 @@ def run_interpreter_cases() -> dict:
                                    "vals_match_scores": bool(torch.allclose(
                                        torch.where(ids >= 0, got, vals), vals, rtol=1e-5, atol=1e-5 * scale)),
                                    "padding": bool(((ids < 0) == (vals == float("-inf"))).all())}
-        results[name] = res
+        results[f"{name}_{kernel}"] = res
     return results
 
 
@@ -216,9 +219,10 @@ def interpreter_results():
     return run_under_interpreter(__file__)
 
 
+@pytest.mark.parametrize("kernel", BOUNDS_KERNELS)
 @pytest.mark.parametrize("name", list(TRITON_CASES), ids=str)
-def test_score_triton_interpreter(interpreter_results, name):
-    res = interpreter_results[name]
+def test_score_triton_interpreter(interpreter_results, name, kernel):
+    res = interpreter_results[f"{name}_{kernel}"]
     assert res["bounds_rel_err"] < REL_TOL, res
     for combine in COMBINES:
         c = res[combine]

@@ -40,6 +40,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
+    p.add_argument("--score-kernel", default="mma:64",
+                   help="the prediction's bounds kernel as kind:tile: mma (sums over the head dimension on the "
+                        "tensor cores) or sum (float32 sums across threads), tile blocks per program; a comma "
+                        "list runs sparse once per value")
     p.add_argument("--async-modes", default=None,
                    help="comma list of off / on: run the equal-batch part once per async-scheduling mode, side "
                         "by side (default: the engine's --async-scheduling only)")
@@ -141,7 +145,7 @@ class DecodeBench:
     @torch.inference_mode()
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: int | None = None, prefetch: bool = True,
-                   transfer_backend: str | None = None) -> dict:
+                   transfer_backend: str | None = None, score_kernel: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -162,6 +166,8 @@ class DecodeBench:
                                   transfer_programs=transfer_programs or _ints(self.args.transfer_programs)[0],
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
             p.prefetch = prefetch
+            kind, tile = (score_kernel or self.args.score_kernel.split(",")[0]).split(":")
+            p.score_kernel = (kind, int(tile))
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -207,6 +213,7 @@ class DecodeBench:
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
                        transfer_programs=p.transfer_programs, transfer_backend=p.transfer_backend,
+                       score_kernel=f"{kind}:{tile}",
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -339,8 +346,9 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in _ints(args.transfer_programs) if backend == "uva" else [0]:
-                                record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                        transfer_backend=backend))
+                                for kernel in args.score_kernel.split(","):
+                                    record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                            transfer_backend=backend, score_kernel=kernel))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
         bench.overlap = engine_overlap
@@ -396,7 +404,8 @@ def print_row(r: dict) -> None:
           f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
           f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
           f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
-          f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f}", flush=True)
+          f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
+          f"{r.get('score_kernel', '') if sp else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:

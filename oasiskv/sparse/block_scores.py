@@ -56,6 +56,7 @@ except ImportError:  # CPU-only installs use the torch path
 NEG_INF = float("-inf")
 COMBINES = ("shifted_max", "sum")  # how the G per-head scores of a kv group make one score
 RANGE_WEIGHT = 0.5  # α: weight of the box's half-range; 1 = the Quest upper bound
+BOUNDS_KERNELS = ("mma", "sum")  # the Triton bounds kernel: tensor-core products, or sums across threads
 
 
 def _scored_range(block_offsets, num_blocks, max_blocks, num_sink, window_start):
@@ -226,6 +227,51 @@ if triton is not None:
             tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0))
 
     @triton.jit
+    def _mma_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
+                           stride_qr, stride_qh, stride_kb, stride_kh,
+                           stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_sink,
+                           wide, narrow, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           DP: tl.constexpr, BB: tl.constexpr, HAS_WS: tl.constexpr,
+                           PRECISION: tl.constexpr):
+        """`_head_bounds_kernel` with the sums over D on the tensor cores, in the summaries' own
+        dtype. The box weights a = wide·q⁺ + narrow·q⁻ are not exact in bf16, but q⁺ = max(q, 0)
+        and q⁻ = min(q, 0) are, so u = wide·X + narrow·Y with
+            X = q⁺·kmax + q⁻·kmin,   Y = q⁻·kmax + q⁺·kmin,
+        four [BB, D] x [D, GP] products (the G heads padded to GP columns) whose products are
+        exact and whose sums run in float32: the same bounds as the float32 kernel up to
+        summation order."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        t = tl.program_id(2)
+        d = tl.arange(0, DP)
+        gi = tl.arange(0, GP)
+        start = tl.load(off_ptr + r).to(tl.int64)
+        end = tl.load(nb_ptr + r)
+        if HAS_WS:
+            end = tl.minimum(end, tl.load(ws_ptr + r))
+        b = t * BB + tl.arange(0, BB)
+        keep = (b >= num_sink) & (b < end)
+        ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
+        m = keep[:, None] & (d[None, :] < D)
+        hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0)
+        lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0)
+        qm = (d[:, None] < D) & (gi[None, :] < G)
+        q = tl.load(q_ptr + r * stride_qr + (h * G + gi[None, :]) * stride_qh + d[:, None], mask=qm,
+                    other=0.0).to(hi.dtype)  # [DP, GP]
+        pos = tl.maximum(q, 0.0).to(hi.dtype)
+        neg = tl.minimum(q, 0.0).to(hi.dtype)
+        x = tl.dot(hi, pos, input_precision=PRECISION)
+        x = tl.dot(lo, neg, x, input_precision=PRECISION)
+        y = tl.dot(hi, neg, input_precision=PRECISION)
+        y = tl.dot(lo, pos, y, input_precision=PRECISION)
+        u = wide * x + narrow * y  # [BB, GP]
+        u = tl.where(keep[:, None], u, float("-inf"))
+        qh = h * G + gi
+        tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
+                 mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
+        tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0), mask=gi < G)
+
+    @triton.jit
     def _combine_kernel(u_ptr, tmax_ptr, out_ptr, stride_ur, stride_uh, stride_tr, stride_th,
                         stride_or, stride_oh, max_blocks, num_tiles,
                         G: tl.constexpr, BB: tl.constexpr, TP: tl.constexpr, SUM: tl.constexpr):
@@ -258,12 +304,15 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        window_start: torch.Tensor | None = None, block_tile: int = 64,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
-                       range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
+                       range_weight: float = RANGE_WEIGHT, kernel: str = "mma") -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, block tiles); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
-    loads are masked off)."""
+    loads are masked off). kernel: "mma" (sums over D on the tensor cores, block_tile >= 16)
+    or "sum" (float32 sums across threads)."""
+    if kernel not in BOUNDS_KERNELS:
+        raise ValueError(f"unknown bounds kernel {kernel!r}; choose one of {', '.join(BOUNDS_KERNELS)}")
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     G = group_size
@@ -275,7 +324,16 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if tile_max is None:
         tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
-    if R and max_blocks:
+    if R and max_blocks and kernel == "mma":
+        _mma_bounds_kernel[(R, Hkv, tiles)](
+            q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
+            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
+            out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
+            max_blocks, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
+            G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)),
+            BB=block_tile, HAS_WS=window_start is not None,
+            PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", num_warps=num_warps)
+    elif R and max_blocks:
         _head_bounds_kernel[(R, Hkv, tiles)](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
@@ -292,7 +350,7 @@ def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                         window_start: torch.Tensor | None = None, block_tile: int = 64,
                         num_warps: int = 4, out: torch.Tensor | None = None,
                         combine: str = "shifted_max",
-                        range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
+                        range_weight: float = RANGE_WEIGHT, kernel: str = "mma") -> torch.Tensor:
     """Scores [R, Hkv, max_blocks] float32 as `score_blocks_ref`: the bounds kernel (one pass
     over the summaries), then a combine kernel over its small outputs (4·G bytes per (block,
     kv head) and the per-tile maxima). Two launches, no host sync, CUDA-graph capturable."""
@@ -305,7 +363,7 @@ def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
                        num_sink, window_start, block_tile, num_warps, out=u, tile_max=tile_max,
-                       range_weight=range_weight)
+                       range_weight=range_weight, kernel=kernel)
     if out is None:
         out = torch.empty(R, Hkv, max_blocks, device=q.device, dtype=torch.float32)
     if R and max_blocks:
@@ -322,13 +380,13 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       k: int, max_blocks: int, num_sink: int = 0,
                       window_start: torch.Tensor | None = None,
                       block_tile: int = 64, combine: str = "shifted_max",
-                      range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
+                      range_weight: float = RANGE_WEIGHT, kernel: str = "mma") -> tuple[torch.Tensor, torch.Tensor]:
     """Triton scores (bounds, combine), then a sorted top-K over the [R, Hkv, max_blocks] float32
     scores: the in-line path's prediction, best first. The pipeline uses `score_select`
     instead, which skips the sort (78 against 101 µs on the H200 at 16 × 2048 blocks)."""
     s = score_blocks_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
                             num_sink, window_start, block_tile, combine=combine,
-                            range_weight=range_weight)
+                            range_weight=range_weight, kernel=kernel)
     return topk_blocks(s, k)
 
 
@@ -341,7 +399,8 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  block_offsets: torch.Tensor, num_blocks: torch.Tensor, group_size: int,
                  k: int, max_blocks: int, num_sink: int = 0,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
-                 block_tile: int = 64, range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
+                 kernel: str = "mma") -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
@@ -356,7 +415,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
-                                   range_weight=range_weight)
+                                   range_weight=range_weight, kernel=kernel)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -369,7 +428,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT):
+                        range_weight=RANGE_WEIGHT, kernel="mma"):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
@@ -377,7 +436,8 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
     u = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
-                       window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight)
+                       window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight,
+                       kernel=kernel)
     if out is None:
         out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
                torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))

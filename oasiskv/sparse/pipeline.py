@@ -64,6 +64,7 @@ class LookaheadPipeline:
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
+        self.score_kernel = ("mma", 64)  # the bounds kernel (block_scores.BOUNDS_KERNELS) and its block tile
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
@@ -282,7 +283,8 @@ class LookaheadPipeline:
         score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
                      self.next_blocks[:B], self.G, self.K, max_blocks=self.max_blocks, num_sink=self.S,
                      window_start=self.next_window[:B],
-                     out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]))
+                     out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
+                     kernel=self.score_kernel[0], block_tile=self.score_kernel[1])
 
     def select(self, layer: int) -> None:
         B, H = self.B, self.H
