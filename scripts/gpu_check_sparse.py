@@ -18,6 +18,7 @@ C = 7, eager and in a graph. The table goes to stdout and, if $OUT is set, $OUT/
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -250,15 +251,21 @@ def run_timings(R=16, max_blocks=2048, k=128):
         q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=best["tile"], combine="sum")), best))
     rows.append((f"torch.topk only, k={k}", bench(lambda: topk_blocks(out, k)), {}))
     sel = (torch.empty(R * HKV, k, dtype=torch.int32, device=DEV), torch.empty(R * HKV, k, device=DEV))
-    for kernel in BOUNDS_KERNELS:
-        for tile in (32, 64, 128):
-            for warps in (4, 8):
-                rows.append((f"{kernel} bounds tile{tile} warps{warps}", bench(lambda: head_bounds_triton(
-                    q, kmin, kmax, off, nb, G, max_blocks, block_tile=tile, num_warps=warps, out=bounds,
-                    kernel=kernel)), dict(kernel=kernel, tile=tile, warps=warps)))
-            rows.append((f"{kernel} fused select k={k} tile{tile}", bench(lambda: score_select_triton(
-                q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=tile, out=sel, kernel=kernel)),
-                dict(kernel=kernel, tile=tile)))
+    rows.append(("sum bounds tile64 warps4", bench(lambda: head_bounds_triton(
+        q, kmin, kmax, off, nb, G, max_blocks, block_tile=64, num_warps=4, out=bounds, kernel="sum")),
+        dict(kernel="sum", tile=64, warps=4)))
+    mma = []
+    for tile, tpp, stages, warps in itertools.product((64, 128), (1, 2, 4, 8), (1, 2, 3), (4, 8)):
+        cfg = dict(block_tile=tile, tiles_per_program=tpp, stages=stages, num_warps=warps)
+        mma.append((f"mma bounds t{tile} x{tpp} s{stages} w{warps}", bench(lambda: head_bounds_triton(
+            q, kmin, kmax, off, nb, G, max_blocks, out=bounds, kernel="mma", **cfg)), cfg))
+    rows += mma
+    best_mma = min(mma, key=lambda r: r[1])[2]
+    sel_kw = {k: v for k, v in best_mma.items() if k != "num_warps"}
+    rows.append(("mma fused select k=128 (best mma)", bench(lambda: score_select_triton(
+        q, kmin, kmax, off, nb, G, k, max_blocks, out=sel, kernel="mma", **sel_kw)), best_mma))
+    rows.append(("sum fused select k=128 tile64", bench(lambda: score_select_triton(
+        q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=64, out=sel, kernel="sum")), {}))
     for kk in (64, 256):
         rows.append((f"score+topk k={kk} (best config)", bench(lambda: score_topk_triton(
             q, kmin, kmax, off, nb, G, kk, max_blocks, block_tile=best["tile"])), best))

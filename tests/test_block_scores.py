@@ -170,6 +170,9 @@ TRITON_CASES = {  # R, Hkv, G, D, num_blocks, dtype, extra kwargs
     "g4_d128_fp16_sink_window": (2, 2, 4, 128, [30, 12], torch.float16,
                                  dict(num_sink=2, window_start=[27, 12])),
     "g3_d64_fp32_quest_bound": (2, 2, 3, 64, [33, 9], torch.float32, dict(range_weight=1.0)),
+    # mma: two tiles per program, loads two deep (the last program's second tile is past the end)
+    "g4_d128_fp16_2_tiles_per_program": (2, 2, 4, 128, [40, 23], torch.float16,
+                                         dict(tiles_per_program=2, stages=2)),
 }
 MAX_BLOCKS, TILE, K = 40, 16, 6  # 3 tiles, the last partial
 
@@ -186,9 +189,10 @@ def run_interpreter_cases() -> dict:
         kw = dict(kw, kernel=kernel)
         if "window_start" in kw:
             kw = dict(kw, window_start=torch.tensor(kw["window_start"], dtype=torch.int32))
+        tuning = {k: kw.pop(k) for k in ("tiles_per_program", "stages") if k in kw}  # bounds + select only
         ref_kw = {k: v for k, v in kw.items() if k != "kernel"}
         ref_u = head_bounds_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **ref_kw)
-        u = head_bounds_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE, **kw)
+        u = head_bounds_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE, **kw, **tuning)
         scale = finite_max(ref_u)
         res = {"bounds_rel_err": abs_err(u, ref_u) / scale}
         for combine in COMBINES:
@@ -204,7 +208,8 @@ def run_interpreter_cases() -> dict:
         # The fused combine + select (shifted max): the same set, each id with its score.
         ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **ref_kw)
         for k in (K, MAX_BLOCKS + 3):  # also more than the row has: -1 / -inf padding
-            ids, vals = score_select_triton(q, kmin, kmax, off, nb, G, k, MAX_BLOCKS, block_tile=TILE, **kw)
+            ids, vals = score_select_triton(q, kmin, kmax, off, nb, G, k, MAX_BLOCKS, block_tile=TILE, **kw,
+                                            **tuning)
             got = ref.gather(2, ids.long().clamp_min(0))
             res[f"select_k{k}"] = {"topk_agree": topk_agrees(ids, ref, k),
                                    "vals_match_scores": bool(torch.allclose(

@@ -40,10 +40,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
-    p.add_argument("--score-kernel", default="mma:64",
-                   help="the prediction's bounds kernel as kind:tile: mma (sums over the head dimension on the "
-                        "tensor cores) or sum (float32 sums across threads), tile blocks per program; a comma "
-                        "list runs sparse once per value")
+    p.add_argument("--score-kernel", default="mma:64:1:1",
+                   help="the prediction's bounds kernel as kind:tile[:tiles:stages]: mma (sums over the head "
+                        "dimension on the tensor cores) or sum (float32 sums across threads), blocks per tile, "
+                        "tiles per program and load stages (mma); a comma list runs sparse once per value")
     p.add_argument("--async-modes", default=None,
                    help="comma list of off / on: run the equal-batch part once per async-scheduling mode, side "
                         "by side (default: the engine's --async-scheduling only)")
@@ -166,8 +166,9 @@ class DecodeBench:
                                   transfer_programs=transfer_programs or _ints(self.args.transfer_programs)[0],
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
             p.prefetch = prefetch
-            kind, tile = (score_kernel or self.args.score_kernel.split(",")[0]).split(":")
-            p.score_kernel = (kind, int(tile))
+            spec = score_kernel or self.args.score_kernel.split(",")[0]
+            kind, *knobs = spec.split(":")
+            p.score_kernel = (kind, *(int(x) for x in (knobs + ["64", "1", "1"][len(knobs):])))
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -213,7 +214,7 @@ class DecodeBench:
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
                        transfer_programs=p.transfer_programs, transfer_backend=p.transfer_backend,
-                       score_kernel=f"{kind}:{tile}",
+                       score_kernel=":".join(map(str, p.score_kernel)),
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:

@@ -229,47 +229,52 @@ if triton is not None:
     @triton.jit
     def _mma_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
                            stride_qr, stride_qh, stride_kb, stride_kh,
-                           stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_sink,
+                           stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
                            wide, narrow, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           DP: tl.constexpr, BB: tl.constexpr, HAS_WS: tl.constexpr,
-                           PRECISION: tl.constexpr):
+                           DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+                           HAS_WS: tl.constexpr, PRECISION: tl.constexpr):
         """`_head_bounds_kernel` with the sums over D on the tensor cores, in the summaries' own
-        dtype. The box weights a = wide·q⁺ + narrow·q⁻ are not exact in bf16, but q⁺ = max(q, 0)
-        and q⁻ = min(q, 0) are, so u = wide·X + narrow·Y with
+        dtype, over TILES consecutive block tiles per program (the next tiles' loads in flight
+        while one is summed: STAGES-deep software pipelining). The box weights
+        a = wide·q⁺ + narrow·q⁻ are not exact in bf16, but q⁺ = max(q, 0) and q⁻ = min(q, 0)
+        are, so u = wide·X + narrow·Y with
             X = q⁺·kmax + q⁻·kmin,   Y = q⁻·kmax + q⁺·kmin,
         four [BB, D] x [D, GP] products (the G heads padded to GP columns) whose products are
         exact and whose sums run in float32: the same bounds as the float32 kernel up to
         summation order."""
         r = tl.program_id(0)
         h = tl.program_id(1)
-        t = tl.program_id(2)
+        first = tl.program_id(2) * TILES
         d = tl.arange(0, DP)
         gi = tl.arange(0, GP)
         start = tl.load(off_ptr + r).to(tl.int64)
         end = tl.load(nb_ptr + r)
         if HAS_WS:
             end = tl.minimum(end, tl.load(ws_ptr + r))
-        b = t * BB + tl.arange(0, BB)
-        keep = (b >= num_sink) & (b < end)
-        ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
-        m = keep[:, None] & (d[None, :] < D)
-        hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0)
-        lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0)
         qm = (d[:, None] < D) & (gi[None, :] < G)
         q = tl.load(q_ptr + r * stride_qr + (h * G + gi[None, :]) * stride_qh + d[:, None], mask=qm,
-                    other=0.0).to(hi.dtype)  # [DP, GP]
-        pos = tl.maximum(q, 0.0).to(hi.dtype)
-        neg = tl.minimum(q, 0.0).to(hi.dtype)
-        x = tl.dot(hi, pos, input_precision=PRECISION)
-        x = tl.dot(lo, neg, x, input_precision=PRECISION)
-        y = tl.dot(hi, neg, input_precision=PRECISION)
-        y = tl.dot(lo, pos, y, input_precision=PRECISION)
-        u = wide * x + narrow * y  # [BB, GP]
-        u = tl.where(keep[:, None], u, float("-inf"))
+                    other=0.0)  # [DP, GP]
+        pos = tl.maximum(q, 0.0).to(kmax_ptr.dtype.element_ty)
+        neg = tl.minimum(q, 0.0).to(kmax_ptr.dtype.element_ty)
         qh = h * G + gi
-        tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
-                 mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
-        tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0), mask=gi < G)
+        for i in tl.range(0, TILES, num_stages=STAGES):
+            t = first + i
+            b = t * BB + tl.arange(0, BB)
+            keep = (b >= num_sink) & (b < end)
+            ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
+            m = keep[:, None] & (d[None, :] < D)
+            hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0)
+            lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0)
+            x = tl.dot(hi, pos, input_precision=PRECISION)
+            x = tl.dot(lo, neg, x, input_precision=PRECISION)
+            y = tl.dot(hi, neg, input_precision=PRECISION)
+            y = tl.dot(lo, pos, y, input_precision=PRECISION)
+            u = wide * x + narrow * y  # [BB, GP]
+            u = tl.where(keep[:, None], u, float("-inf"))
+            tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
+                     mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
+            tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0),
+                     mask=(gi < G) & (t < num_tiles))
 
     @triton.jit
     def _combine_kernel(u_ptr, tmax_ptr, out_ptr, stride_ur, stride_uh, stride_tr, stride_th,
@@ -304,13 +309,15 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        window_start: torch.Tensor | None = None, block_tile: int = 64,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
-                       range_weight: float = RANGE_WEIGHT, kernel: str = "mma") -> torch.Tensor:
+                       range_weight: float = RANGE_WEIGHT, kernel: str = "mma",
+                       tiles_per_program: int = 1, stages: int = 1) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, block tiles); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
-    loads are masked off). kernel: "mma" (sums over D on the tensor cores, block_tile >= 16)
-    or "sum" (float32 sums across threads)."""
+    loads are masked off). kernel: "mma" (sums over D on the tensor cores, block_tile >= 16,
+    `tiles_per_program` tiles per program, loads `stages` deep) or "sum" (float32 sums across
+    threads)."""
     if kernel not in BOUNDS_KERNELS:
         raise ValueError(f"unknown bounds kernel {kernel!r}; choose one of {', '.join(BOUNDS_KERNELS)}")
     R, Hq, D = q.shape
@@ -325,13 +332,13 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
     if R and max_blocks and kernel == "mma":
-        _mma_bounds_kernel[(R, Hkv, tiles)](
+        _mma_bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
-            max_blocks, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
+            max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
             G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)),
-            BB=block_tile, HAS_WS=window_start is not None,
+            BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
             PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", num_warps=num_warps)
     elif R and max_blocks:
         _head_bounds_kernel[(R, Hkv, tiles)](
@@ -400,7 +407,8 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  k: int, max_blocks: int, num_sink: int = 0,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
                  block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
-                 kernel: str = "mma") -> tuple[torch.Tensor, torch.Tensor]:
+                 kernel: str = "mma", tiles_per_program: int = 1,
+                 stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
@@ -415,7 +423,8 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
-                                   range_weight=range_weight, kernel=kernel)
+                                   range_weight=range_weight, kernel=kernel,
+                                   tiles_per_program=tiles_per_program, stages=stages)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -428,7 +437,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, kernel="mma"):
+                        range_weight=RANGE_WEIGHT, kernel="mma", tiles_per_program=1, stages=1):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
@@ -437,7 +446,7 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
                        window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight,
-                       kernel=kernel)
+                       kernel=kernel, tiles_per_program=tiles_per_program, stages=stages)
     if out is None:
         out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
                torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))
