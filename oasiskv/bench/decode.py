@@ -36,17 +36,21 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=64, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--transfer-programs", default="8",
-                   help="programs (≈ SMs) of the host->GPU gather kernel; a comma list runs sparse once per value")
+                   help="programs (≈ SMs) of the host->GPU gather kernel, optionally :items each has in flight "
+                        "(default 4); a comma list runs sparse once per value")
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
-    p.add_argument("--score-kernel", default="mma:64:1:1",
+    p.add_argument("--score-kernel", default="mma:64:8:3",
                    help="the prediction's bounds kernel as kind:tile[:tiles:stages]: mma (sums over the head "
                         "dimension on the tensor cores) or sum (float32 sums across threads), blocks per tile, "
                         "tiles per program and load stages (mma); a comma list runs sparse once per value")
     p.add_argument("--async-modes", default=None,
                    help="comma list of off / on: run the equal-batch part once per async-scheduling mode, side "
                         "by side (default: the engine's --async-scheduling only)")
+    p.add_argument("--stage-ablation", action="store_true",
+                   help="also run sparse with the first pipeline stage only (predict), then the first two "
+                        "(predict, select): what each stage adds to the step (not valid decodes)")
     p.add_argument("--no-prefetch-run", action="store_true",
                    help="also run sparse with the pipeline's stages off: the foreground alone (not a valid "
                         "decode — nothing is fetched — but its time is the floor the pipeline adds to)")
@@ -144,7 +148,7 @@ class DecodeBench:
     # ---- sparse ---------------------------------------------------------------------
     @torch.inference_mode()
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
-                   transfer_programs: int | None = None, prefetch: bool = True,
+                   transfer_programs: str | None = None, prefetch: bool = True, stages: int = 3,
                    transfer_backend: str | None = None, score_kernel: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
@@ -156,6 +160,7 @@ class DecodeBench:
         if batch * P > r.num_pages:
             return self._no_fit("sparse", batch, context, f"needs {batch * P} GPU pages, the pool has {r.num_pages}")
         host = self._host_pool()
+        programs, *items = (transfer_programs or self.args.transfer_programs.split(",")[0]).split(":")
         extents = [host.allocate(f"s{i}", mc.num_layers, nb, mc.num_kv_heads) for i in range(batch)]
         try:
             if any(e is None for e in extents):
@@ -163,9 +168,12 @@ class DecodeBench:
                                     f"host pool holds {host.num_items * host.item_bytes / 2**30:.0f} GiB")
             p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb,
                                   summary_blocks=batch * nb, block_size=bs,
-                                  transfer_programs=transfer_programs or _ints(self.args.transfer_programs)[0],
+                                  transfer_programs=int(programs),
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
+            if items:
+                p.transfer_items = int(items[0])
             p.prefetch = prefetch
+            p.stages = stages
             spec = score_kernel or self.args.score_kernel.split(",")[0]
             kind, *knobs = spec.split(":")
             p.score_kernel = (kind, *(int(x) for x in (knobs + ["64", "1", "1"][len(knobs):])))
@@ -213,7 +221,9 @@ class DecodeBench:
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
-                       transfer_programs=p.transfer_programs, transfer_backend=p.transfer_backend,
+                       pipeline_stages=stages,
+                       transfer_programs=p.transfer_programs, transfer_items=p.transfer_items,
+                       transfer_backend=p.transfer_backend,
                        score_kernel=":".join(map(str, p.score_kernel)),
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
@@ -319,7 +329,7 @@ def run_decode_bench(args) -> int:
               "device": torch.cuda.get_device_name() if bench.runner.device.type == "cuda" else "cpu",
               "top_k_blocks": bench.sparse_cfg.top_k_blocks, "sink_blocks": bench.sparse_cfg.sink_blocks,
               "window_blocks": bench.sparse_cfg.window_blocks, "fetch_ratio": bench.sparse_cfg.fetch_ratio,
-              "transfer_programs": _ints(args.transfer_programs), "steps": args.steps, "runs": []}
+              "transfer_programs": args.transfer_programs.split(","), "steps": args.steps, "runs": []}
     modes = ["dense", "sparse"] if args.mode == "both" else [args.mode]
     def record(run: dict) -> None:  # print and save as each run ends: a crash keeps what ran
         if not result["runs"]:
@@ -346,12 +356,15 @@ def run_decode_bench(args) -> int:
                         record(bench.run_dense(batch, context))
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
-                            for programs in _ints(args.transfer_programs) if backend == "uva" else [0]:
+                            for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
                                 for kernel in args.score_kernel.split(","):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, score_kernel=kernel))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
+                        if args.stage_ablation:
+                            for stages in (1, 2):
+                                record(bench.run_sparse(batch, context, stages=stages))
         bench.overlap = engine_overlap
     if args.fetch_ablation:
         result["fetch_ablation"] = []
@@ -381,7 +394,8 @@ def speedups(runs: list[dict]) -> list[dict]:
     by = {}
     for r in runs:  # the best sparse run of each shape (over transfer grids), prefetch on
         key = (r["mode"], r["batch"], r["context"], r.get("async_scheduling"))
-        if r.get("fits") and r.get("prefetch", True) and (key not in by or r["output_tok_s"] > by[key]["output_tok_s"]):
+        valid = r.get("fits") and r.get("prefetch", True) and r.get("pipeline_stages", 3) == 3
+        if valid and (key not in by or r["output_tok_s"] > by[key]["output_tok_s"]):
             by[key] = r
     return [{"batch": b, "context": c, "async_scheduling": a,
              "speedup": by[("sparse", b, c, a)]["output_tok_s"] / d["output_tok_s"]}
@@ -399,6 +413,8 @@ def print_row(r: dict) -> None:
         return
     sp = r["mode"] == "sparse"
     mode = r["mode"] if r.get("prefetch", True) else "fg"
+    if r.get("pipeline_stages", 3) < 3:
+        mode = ("predict", "select")[r["pipeline_stages"] - 1]
     print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {'on' if r.get('async_scheduling') else 'off':>5} "
           f"{r.get('fetch_ratio', 0) if sp else '':>5} "
           f"{(r.get('transfer_programs') if r.get('transfer_backend') == 'uva' else 'dma') if sp else '':>3} "
@@ -406,7 +422,7 @@ def print_row(r: dict) -> None:
           f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
           f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
           f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
-          f"{r.get('score_kernel', '') if sp else ''}", flush=True)
+          f"{r.get('score_kernel', '') if sp else ''} {'items ' + str(r.get('transfer_items')) if sp else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:
@@ -431,7 +447,8 @@ def plot_sweep(runs: list[dict], path: str) -> None:
         for context in sorted({r["context"] for r in runs}):
             best = {}
             for r in runs:
-                if r["mode"] == mode and r["context"] == context and r.get("fits") and r.get("prefetch", True):
+                if r["mode"] == mode and r["context"] == context and r.get("fits") and r.get("prefetch", True) \
+                        and r.get("pipeline_stages", 3) == 3:
                     best[r["batch"]] = max(best.get(r["batch"], 0), r["output_tok_s"])
             pts = sorted(best.items())
             if pts:

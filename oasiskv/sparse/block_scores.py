@@ -310,7 +310,7 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
                        range_weight: float = RANGE_WEIGHT, kernel: str = "mma",
-                       tiles_per_program: int = 1, stages: int = 1) -> torch.Tensor:
+                       tiles_per_program: int = 8, stages: int = 3) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, block tiles); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
@@ -407,8 +407,8 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  k: int, max_blocks: int, num_sink: int = 0,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
                  block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
-                 kernel: str = "mma", tiles_per_program: int = 1,
-                 stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                 kernel: str = "mma", tiles_per_program: int = 8,
+                 stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
@@ -437,7 +437,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, kernel="mma", tiles_per_program=1, stages=1):
+                        range_weight=RANGE_WEIGHT, kernel="mma", tiles_per_program=8, stages=3):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv.kernels.copy_items import DEFAULT_PROGRAMS, device_view, fetch_admitted, write_through
+from oasiskv.kernels.copy_items import (DEFAULT_PROGRAMS, ITEMS_PER_LOAD, device_view, fetch_admitted,
+                                        write_through)
 from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
@@ -61,11 +62,12 @@ class LookaheadPipeline:
         self.max_blocks = max_blocks
         self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
         self.transfer_programs = transfer_programs
+        self.transfer_items = ITEMS_PER_LOAD  # items each transfer program has in flight
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
         # The bounds kernel (block_scores.BOUNDS_KERNELS), its block tile, tiles per program, stages.
-        self.score_kernel = ("mma", 64, 1, 1)
+        self.score_kernel = ("mma", 64, 8, 3)
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
@@ -105,6 +107,7 @@ class LookaheadPipeline:
             self.streams = [torch.cuda.Stream(dev) for _ in range(3)]  # predict, select, transfer
         self.timing = None  # PipelineTiming when step timing is on
         self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
+        self.stages = 3  # < 3: only the first stages run (predict; predict + select): benchmarks only
 
     # ---- rows ----------------------------------------------------------------------
     def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
@@ -247,10 +250,12 @@ class LookaheadPipeline:
             self.predict(layer)
         select.wait_stream(predict)
         with torch.cuda.stream(select):
-            self.select(layer)
+            if self.stages >= 2:
+                self.select(layer)
         transfer.wait_stream(select)
         with torch.cuda.stream(transfer):
-            self.transfer(layer)
+            if self.stages >= 3:
+                self.transfer(layer)
             if self.timing is not None:
                 self.timing.layer_done[layer].record()
 
@@ -303,7 +308,7 @@ class LookaheadPipeline:
         B, H = self.B, self.H
         fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer, :B * H],
                        self.admit_slots[layer, :B * H], self.pages[:B], self.extent_start[:B],
-                       self.extent_blocks[:B], H, self.S, self.transfer_programs)
+                       self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items)
 
     def write_through(self) -> None:
         B = self.B
