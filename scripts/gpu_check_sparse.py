@@ -10,9 +10,10 @@ sink/window exclusion), pass when the error is < 1e-5 of the largest |bound| (bf
 exact in fp32, only the summation order differs), every bound was written, and the top-K sets
 equal the reference's up to near-ties; CUDA-graph replays of score_topk + capped_eviction and of
 update_block_minmax after the inputs change in place, against eager results.
-Timing (triton.testing.do_bench, median, CUDA-graph replays): score_topk_triton over block
-tiles / warps, as GB/s of summary bytes read vs the 4.25 TB/s copy (DESIGN §7), next to the
-scoring alone, torch.topk alone and the torch path; capped_eviction at R = 16 x 8 rows, K = 128,
+Timing (triton.testing.do_bench, median, CUDA-graph replays): the bounds kernel over its
+tiling (blocks per tile, tiles per program, stages, warps), as GB/s of summary bytes read vs
+the 4.25 TB/s copy (DESIGN §7), then at the default tiling the scores, top-K, the fused select,
+torch.topk alone and the torch path; capped_eviction at R = 16 x 8 rows, K = 128,
 C = 7, eager and in a graph. The table goes to stdout and, if $OUT is set, $OUT/sparse.json.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S
-from oasiskv.sparse.block_scores import (BOUNDS_KERNELS, COMBINES, head_bounds_ref, head_bounds_triton,
+from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_triton,
                                          score_blocks_ref, score_blocks_torch,
                                          score_blocks_triton, score_select_triton, score_topk_triton,
                                          topk_blocks)
@@ -95,22 +96,15 @@ def topk_mismatches(ids, ref, k, rel_tol=1e-4):
 
 
 def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
-    for kernel in BOUNDS_KERNELS:
-        check_scores_with(kernel, R, max_blocks, k, dtype, window, tile, **shape)
-
-
-def check_scores_with(kernel, R, max_blocks, k, dtype, window=False, tile=64, **shape):
     q, kmin, kmax, off, nb = score_inputs(R, max_blocks, dtype, seed=max_blocks + k, **shape)
     kw = {}
     if window:  # sinks 0..3 and a 4-block window left out of the ranking
         kw = dict(num_sink=4, window_start=(nb - 4).clamp_min(0).int())
-    ref_kw = dict(kw)
-    kw["kernel"] = kernel
     g = shape.get("g", G)
-    name = f"{kernel} {str(dtype)[6:]} R{R} M{max_blocks} k{k} {shape or ''}{' sink+window' if window else ''}"
+    name = f"{str(dtype)[6:]} R{R} M{max_blocks} k{k} {shape or ''}{' sink+window' if window else ''}"
     u = torch.full((R, q.shape[1], max_blocks), float("nan"), device=q.device)
     head_bounds_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile, out=u, **kw)
-    ref_u = head_bounds_ref(q, kmin, kmax, off, nb, g, max_blocks, **ref_kw)
+    ref_u = head_bounds_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
     written = not u.isnan().any().item()
     scale = ref_u[torch.isfinite(ref_u)].abs().max().item()
     err, same_inf = score_err(torch.where(u.isnan(), 0.0, u), ref_u, scale)
@@ -119,7 +113,7 @@ def check_scores_with(kernel, R, max_blocks, k, dtype, window=False, tile=64, **
     for combine in COMBINES:
         out = score_blocks_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile,
                                   combine=combine, **kw)
-        ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, combine=combine, **ref_kw)
+        ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, combine=combine, **kw)
         err, same_inf = score_err(out, ref, scale)
         ids, _ = score_topk_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile,
                                    combine=combine, **kw)
@@ -127,7 +121,7 @@ def check_scores_with(kernel, R, max_blocks, k, dtype, window=False, tile=64, **
         record(f"scores {combine} {name}", err < 1e-5 and same_inf and bad == 0,
                rel_err=f"{err:.1e}", inf_pattern=same_inf, topk_rows_differ=bad)
     # The pipeline's fused combine + select: the same set as top-K, each id with its score.
-    ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **ref_kw)
+    ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
     ids, vals = score_select_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile, **kw)
     bad = topk_mismatches(ids, ref, k)
     paired = torch.where(ids >= 0, ref.gather(2, ids.long().clamp_min(0)), vals)
@@ -235,40 +229,25 @@ def run_timings(R=16, max_blocks=2048, k=128):
     out = torch.empty(R, HKV, max_blocks, device=DEV)
     bounds = torch.empty(R, HQ, max_blocks, device=DEV)
     rows = []
-    for tile in (32, 64, 128):
-        for warps in (2, 4, 8):
-            us = bench(lambda: topk_blocks(score_blocks_triton(
-                q, kmin, kmax, off, nb, G, max_blocks, block_tile=tile, num_warps=warps, out=out), k))
-            rows.append((f"score+topk tile{tile} warps{warps}", us, dict(tile=tile, warps=warps)))
-    best = min(rows, key=lambda r: r[1])[2]
-    rows.append(("scores only (best config)", bench(lambda: score_blocks_triton(
-        q, kmin, kmax, off, nb, G, max_blocks, block_tile=best["tile"], num_warps=best["warps"],
-        out=out)), best))
-    rows.append(("per-head bounds kernel only (best)", bench(lambda: head_bounds_triton(
-        q, kmin, kmax, off, nb, G, max_blocks, block_tile=best["tile"], num_warps=best["warps"],
-        out=bounds)), best))
-    rows.append(("score+topk combine=sum (best config)", bench(lambda: score_topk_triton(
-        q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=best["tile"], combine="sum")), best))
-    rows.append((f"torch.topk only, k={k}", bench(lambda: topk_blocks(out, k)), {}))
-    sel = (torch.empty(R * HKV, k, dtype=torch.int32, device=DEV), torch.empty(R * HKV, k, device=DEV))
-    rows.append(("sum bounds tile64 warps4", bench(lambda: head_bounds_triton(
-        q, kmin, kmax, off, nb, G, max_blocks, block_tile=64, num_warps=4, out=bounds, kernel="sum")),
-        dict(kernel="sum", tile=64, warps=4)))
-    mma = []
+    # The bounds kernel across its tiling (the library's default: 64-block tiles, 8 a program,
+    # 3 stages, 4 warps), then the scoring paths at the default.
     for tile, tpp, stages, warps in itertools.product((64, 128), (1, 2, 4, 8), (1, 2, 3), (4, 8)):
         cfg = dict(block_tile=tile, tiles_per_program=tpp, stages=stages, num_warps=warps)
-        mma.append((f"mma bounds t{tile} x{tpp} s{stages} w{warps}", bench(lambda: head_bounds_triton(
-            q, kmin, kmax, off, nb, G, max_blocks, out=bounds, kernel="mma", **cfg)), cfg))
-    rows += mma
-    best_mma = min(mma, key=lambda r: r[1])[2]
-    sel_kw = {k: v for k, v in best_mma.items() if k != "num_warps"}
-    rows.append(("mma fused select k=128 (best mma)", bench(lambda: score_select_triton(
-        q, kmin, kmax, off, nb, G, k, max_blocks, out=sel, kernel="mma", **sel_kw)), best_mma))
-    rows.append(("sum fused select k=128 tile64", bench(lambda: score_select_triton(
-        q, kmin, kmax, off, nb, G, k, max_blocks, block_tile=64, out=sel, kernel="sum")), {}))
+        rows.append((f"bounds t{tile} x{tpp} s{stages} w{warps}", bench(lambda: head_bounds_triton(
+            q, kmin, kmax, off, nb, G, max_blocks, out=bounds, **cfg)), cfg))
+    rows.append(("scores (bounds + combine)", bench(lambda: score_blocks_triton(
+        q, kmin, kmax, off, nb, G, max_blocks, out=out)), {}))
+    rows.append((f"scores + torch.topk, k={k}", bench(lambda: topk_blocks(score_blocks_triton(
+        q, kmin, kmax, off, nb, G, max_blocks, out=out), k)), {}))
+    rows.append(("scores + topk, combine=sum", bench(lambda: score_topk_triton(
+        q, kmin, kmax, off, nb, G, k, max_blocks, combine="sum")), {}))
+    rows.append((f"torch.topk only, k={k}", bench(lambda: topk_blocks(out, k)), {}))
+    sel = (torch.empty(R * HKV, k, dtype=torch.int32, device=DEV), torch.empty(R * HKV, k, device=DEV))
+    rows.append((f"fused select, k={k}", bench(lambda: score_select_triton(
+        q, kmin, kmax, off, nb, G, k, max_blocks, out=sel)), {}))
     for kk in (64, 256):
-        rows.append((f"score+topk k={kk} (best config)", bench(lambda: score_topk_triton(
-            q, kmin, kmax, off, nb, G, kk, max_blocks, block_tile=best["tile"])), best))
+        rows.append((f"scores + topk, k={kk}", bench(lambda: score_topk_triton(
+            q, kmin, kmax, off, nb, G, kk, max_blocks)), {}))
     rows.append(("torch path (score_blocks_torch+topk)", bench(lambda: topk_blocks(
         score_blocks_torch(q, kmin, kmax, off, nb, G, max_blocks), k)), {}))
     for name, us, cfg in rows:

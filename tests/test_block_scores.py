@@ -5,7 +5,6 @@ be set before triton is imported). Interpreter cases use float32/float16 only (D
 bf16 is checked on the GPU by scripts/gpu_check_sparse.py."""
 from __future__ import annotations
 
-import itertools
 import json
 import os
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
-from oasiskv.sparse.block_scores import (BOUNDS_KERNELS, COMBINES, RANGE_WEIGHT, combine_heads,
+from oasiskv.sparse.block_scores import (COMBINES, RANGE_WEIGHT, combine_heads,
                                          head_bounds_ref, score_blocks_ref, score_blocks_torch,
                                          score_topk, topk_blocks)
 from oasiskv.sparse.summaries import block_minmax
@@ -170,7 +169,8 @@ TRITON_CASES = {  # R, Hkv, G, D, num_blocks, dtype, extra kwargs
     "g4_d128_fp16_sink_window": (2, 2, 4, 128, [30, 12], torch.float16,
                                  dict(num_sink=2, window_start=[27, 12])),
     "g3_d64_fp32_quest_bound": (2, 2, 3, 64, [33, 9], torch.float32, dict(range_weight=1.0)),
-    # mma: two tiles per program, loads two deep (the last program's second tile is past the end)
+    # The bounds kernel's default walks all 3 tiles in one program; here two tiles per program,
+    # loads two deep (the last program's second tile is past the end).
     "g4_d128_fp16_2_tiles_per_program": (2, 2, 4, 128, [40, 23], torch.float16,
                                          dict(tiles_per_program=2, stages=2)),
 }
@@ -184,19 +184,18 @@ def run_interpreter_cases() -> dict:
     from oasiskv.sparse.block_scores import (head_bounds_triton, score_blocks_triton,
                                              score_select_triton, score_topk_triton)
     results = {}
-    for (name, (R, Hkv, G, D, nbs, dtype, kw)), kernel in itertools.product(TRITON_CASES.items(), BOUNDS_KERNELS):
+    for name, (R, Hkv, G, D, nbs, dtype, kw) in TRITON_CASES.items():
         q, kmin, kmax, off, nb, _ = make_inputs(R, Hkv, G, D, nbs, dtype, seed=len(name))
-        kw = dict(kw, kernel=kernel)
+        kw = dict(kw)
         if "window_start" in kw:
             kw = dict(kw, window_start=torch.tensor(kw["window_start"], dtype=torch.int32))
         tuning = {k: kw.pop(k) for k in ("tiles_per_program", "stages") if k in kw}  # bounds + select only
-        ref_kw = {k: v for k, v in kw.items() if k != "kernel"}
-        ref_u = head_bounds_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **ref_kw)
+        ref_u = head_bounds_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
         u = head_bounds_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE, **kw, **tuning)
         scale = finite_max(ref_u)
         res = {"bounds_rel_err": abs_err(u, ref_u) / scale}
         for combine in COMBINES:
-            ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, combine=combine, **ref_kw)
+            ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, combine=combine, **kw)
             out = score_blocks_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE,
                                       combine=combine, **kw)
             ids, vals = score_topk_triton(q, kmin, kmax, off, nb, G, K, MAX_BLOCKS, block_tile=TILE,
@@ -206,7 +205,7 @@ def run_interpreter_cases() -> dict:
                             "vals_match_scores": bool(torch.equal(
                                 torch.where(ids >= 0, out.gather(2, ids.long().clamp_min(0)), vals), vals))}
         # The fused combine + select (shifted max): the same set, each id with its score.
-        ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **ref_kw)
+        ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
         for k in (K, MAX_BLOCKS + 3):  # also more than the row has: -1 / -inf padding
             ids, vals = score_select_triton(q, kmin, kmax, off, nb, G, k, MAX_BLOCKS, block_tile=TILE, **kw,
                                             **tuning)
@@ -215,7 +214,7 @@ def run_interpreter_cases() -> dict:
                                    "vals_match_scores": bool(torch.allclose(
                                        torch.where(ids >= 0, got, vals), vals, rtol=1e-5, atol=1e-5 * scale)),
                                    "padding": bool(((ids < 0) == (vals == float("-inf"))).all())}
-        results[f"{name}_{kernel}"] = res
+        results[name] = res
     return results
 
 
@@ -224,10 +223,9 @@ def interpreter_results():
     return run_under_interpreter(__file__)
 
 
-@pytest.mark.parametrize("kernel", BOUNDS_KERNELS)
 @pytest.mark.parametrize("name", list(TRITON_CASES), ids=str)
-def test_score_triton_interpreter(interpreter_results, name, kernel):
-    res = interpreter_results[f"{name}_{kernel}"]
+def test_score_triton_interpreter(interpreter_results, name):
+    res = interpreter_results[name]
     assert res["bounds_rel_err"] < REL_TOL, res
     for combine in COMBINES:
         c = res[combine]

@@ -41,10 +41,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
-    p.add_argument("--score-kernel", default="mma:64:8:3",
-                   help="the prediction's bounds kernel as kind:tile[:tiles:stages]: mma (sums over the head "
-                        "dimension on the tensor cores) or sum (float32 sums across threads), blocks per tile, "
-                        "tiles per program and load stages (mma); a comma list runs sparse once per value")
+    p.add_argument("--bounds-tiling", default="64:8:3",
+                   help="the prediction's bounds kernel as TILE:TILES:STAGES: blocks per tile, tiles per "
+                        "program, load stages; a comma list runs sparse once per value")
     p.add_argument("--async-modes", default=None,
                    help="comma list of off / on: run the equal-batch part once per async-scheduling mode, side "
                         "by side (default: the engine's --async-scheduling only)")
@@ -149,7 +148,7 @@ class DecodeBench:
     @torch.inference_mode()
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: str | None = None, prefetch: bool = True, stages: int = 3,
-                   transfer_backend: str | None = None, score_kernel: str | None = None) -> dict:
+                   transfer_backend: str | None = None, bounds_tiling: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -174,9 +173,9 @@ class DecodeBench:
                 p.transfer_items = int(items[0])
             p.prefetch = prefetch
             p.stages = stages
-            spec = score_kernel or self.args.score_kernel.split(",")[0]
-            kind, *knobs = spec.split(":")
-            p.score_kernel = (kind, *(int(x) for x in (knobs + ["64", "1", "1"][len(knobs):])))
+            p.bounds_tiling = tuple(int(x) for x in (bounds_tiling or self.args.bounds_tiling.split(",")[0]).split(":"))
+            if len(p.bounds_tiling) != 3:
+                raise ValueError(f"--bounds-tiling takes TILE:TILES:STAGES, not {bounds_tiling!r}")
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -224,7 +223,7 @@ class DecodeBench:
                        pipeline_stages=stages,
                        transfer_programs=p.transfer_programs, transfer_items=p.transfer_items,
                        transfer_backend=p.transfer_backend,
-                       score_kernel=":".join(map(str, p.score_kernel)),
+                       bounds_tiling=":".join(map(str, p.bounds_tiling)),
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -357,9 +356,9 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for kernel in args.score_kernel.split(","):
+                                for tiling in args.bounds_tiling.split(","):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                            transfer_backend=backend, score_kernel=kernel))
+                                                            transfer_backend=backend, bounds_tiling=tiling))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -422,7 +421,8 @@ def print_row(r: dict) -> None:
           f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
           f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
           f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
-          f"{r.get('score_kernel', '') if sp else ''} {'items ' + str(r.get('transfer_items')) if sp else ''}", flush=True)
+          f"{'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
+          f"{'items ' + str(r.get('transfer_items')) if sp else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:

@@ -31,8 +31,8 @@ Because kmax >= kmin elementwise, each head's score is two D-vectors against the
 (at α = 1: max(q, 0) against kmax, min(q, 0) against kmin, i.e. max(q·kmax, q·kmin)).
 
 On CUDA the bounds kernel loads each (block tile, kv head) of summaries once and computes the
-G heads' bounds from it (2·G·D multiply-adds per 4·D bytes in bf16: bandwidth-bound, one pass
-over the summaries). It writes them [R, Hq, M] in float32 with each tile's best bound per head
+G heads' bounds from it on the tensor cores (2·G·D multiply-adds per 4·D bytes in bf16:
+bandwidth-bound, one pass over the summaries). It writes them [R, Hq, M] in float32 with each tile's best bound per head
 (4·G bytes per (block, kv head): a few % of the summary bytes at D = 128); a second small kernel
 takes each head's best over the tiles and combines. The torch path (CPU) does the same with one
 batched matmul; the reference spells out the literal max per head. All agree up to float32
@@ -56,7 +56,6 @@ except ImportError:  # CPU-only installs use the torch path
 NEG_INF = float("-inf")
 COMBINES = ("shifted_max", "sum")  # how the G per-head scores of a kv group make one score
 RANGE_WEIGHT = 0.5  # α: weight of the box's half-range; 1 = the Quest upper bound
-BOUNDS_KERNELS = ("mma", "sum")  # the Triton bounds kernel: tensor-core products, or sums across threads
 
 
 def _scored_range(block_offsets, num_blocks, max_blocks, num_sink, window_start):
@@ -193,55 +192,23 @@ def score_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _head_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                            stride_qr, stride_qh, stride_kb, stride_kh,
-                            stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_sink,
-                            wide, narrow, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            BB: tl.constexpr, HAS_WS: tl.constexpr):
-        r = tl.program_id(0)
-        h = tl.program_id(1)
-        t = tl.program_id(2)
-        d = tl.arange(0, DP)
-        start = tl.load(off_ptr + r).to(tl.int64)
-        end = tl.load(nb_ptr + r)
-        if HAS_WS:
-            end = tl.minimum(end, tl.load(ws_ptr + r))
-        b = t * BB + tl.arange(0, BB)
-        keep = (b >= num_sink) & (b < end)
-        # One load of the tile's summaries serves all G query heads of the group.
-        ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
-        m = keep[:, None] & (d[None, :] < D)
-        hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
-        lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
-        for g in tl.static_range(G):
-            qh = h * G + g
-            q = tl.load(q_ptr + r * stride_qr + qh * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-            pos = tl.maximum(q, 0.0)
-            neg = tl.minimum(q, 0.0)
-            a = wide * pos + narrow * neg  # against kmax
-            c = narrow * pos + wide * neg  # against kmin
-            u = tl.sum(hi * a[None, :] + lo * c[None, :], axis=1)
-            u = tl.where(keep, u, float("-inf"))
-            tl.store(out_ptr + r * stride_or + qh * stride_oh + b, u, mask=b < max_blocks)
-            # The tile's best bound per head: the combine takes the max over tiles.
-            tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0))
-
-    @triton.jit
-    def _mma_bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
+    def _bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
                            stride_qr, stride_qh, stride_kb, stride_kh,
                            stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
                            wide, narrow, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
                            HAS_WS: tl.constexpr, PRECISION: tl.constexpr):
-        """`_head_bounds_kernel` with the sums over D on the tensor cores, in the summaries' own
-        dtype, over TILES consecutive block tiles per program (the next tiles' loads in flight
-        while one is summed: STAGES-deep software pipelining). The box weights
+        """One program: (sequence r, kv head h, TILES consecutive tiles of BB blocks), each
+        tile's summaries loaded once for all G query heads of the group, the next tiles' loads in
+        flight while one is summed (STAGES-deep software pipelining). The sums over D run on the
+        tensor cores in the summaries' own dtype. The box weights
         a = wide·q⁺ + narrow·q⁻ are not exact in bf16, but q⁺ = max(q, 0) and q⁻ = min(q, 0)
         are, so u = wide·X + narrow·Y with
             X = q⁺·kmax + q⁻·kmin,   Y = q⁻·kmax + q⁺·kmin,
         four [BB, D] x [D, GP] products (the G heads padded to GP columns) whose products are
-        exact and whose sums run in float32: the same bounds as the float32 kernel up to
-        summation order."""
+        exact and whose sums run in float32: the float32 bounds up to summation order. (A
+        float32 kernel summing across threads ran at 48% of the H200's bandwidth, this one at
+        70%: docs/benchmarks.md.)"""
         r = tl.program_id(0)
         h = tl.program_id(1)
         first = tl.program_id(2) * TILES
@@ -309,17 +276,14 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        window_start: torch.Tensor | None = None, block_tile: int = 64,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
-                       range_weight: float = RANGE_WEIGHT, kernel: str = "mma",
-                       tiles_per_program: int = 8, stages: int = 3) -> torch.Tensor:
+                       range_weight: float = RANGE_WEIGHT, tiles_per_program: int = 8,
+                       stages: int = 3) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
-    bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, block tiles); launch sizes
+    bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, tile groups); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
-    loads are masked off). kernel: "mma" (sums over D on the tensor cores, block_tile >= 16,
-    `tiles_per_program` tiles per program, loads `stages` deep) or "sum" (float32 sums across
-    threads)."""
-    if kernel not in BOUNDS_KERNELS:
-        raise ValueError(f"unknown bounds kernel {kernel!r}; choose one of {', '.join(BOUNDS_KERNELS)}")
+    loads are masked off). block_tile >= 16 (a tensor-core product's rows), `tiles_per_program`
+    tiles per program, loads `stages` deep: the defaults were the fastest on the H200."""
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     G = group_size
@@ -331,8 +295,8 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if tile_max is None:
         tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
-    if R and max_blocks and kernel == "mma":
-        _mma_bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
+    if R and max_blocks:
+        _bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
@@ -340,14 +304,6 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)),
             BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
             PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", num_warps=num_warps)
-    elif R and max_blocks:
-        _head_bounds_kernel[(R, Hkv, tiles)](
-            q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
-            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
-            out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
-            max_blocks, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
-            G=G, D=D, DP=triton.next_power_of_2(D), BB=block_tile,
-            HAS_WS=window_start is not None, num_warps=num_warps)
     return out
 
 
@@ -357,7 +313,7 @@ def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                         window_start: torch.Tensor | None = None, block_tile: int = 64,
                         num_warps: int = 4, out: torch.Tensor | None = None,
                         combine: str = "shifted_max",
-                        range_weight: float = RANGE_WEIGHT, kernel: str = "mma") -> torch.Tensor:
+                        range_weight: float = RANGE_WEIGHT) -> torch.Tensor:
     """Scores [R, Hkv, max_blocks] float32 as `score_blocks_ref`: the bounds kernel (one pass
     over the summaries), then a combine kernel over its small outputs (4·G bytes per (block,
     kv head) and the per-tile maxima). Two launches, no host sync, CUDA-graph capturable."""
@@ -370,7 +326,7 @@ def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
                        num_sink, window_start, block_tile, num_warps, out=u, tile_max=tile_max,
-                       range_weight=range_weight, kernel=kernel)
+                       range_weight=range_weight)
     if out is None:
         out = torch.empty(R, Hkv, max_blocks, device=q.device, dtype=torch.float32)
     if R and max_blocks:
@@ -387,13 +343,13 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       k: int, max_blocks: int, num_sink: int = 0,
                       window_start: torch.Tensor | None = None,
                       block_tile: int = 64, combine: str = "shifted_max",
-                      range_weight: float = RANGE_WEIGHT, kernel: str = "mma") -> tuple[torch.Tensor, torch.Tensor]:
+                      range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton scores (bounds, combine), then a sorted top-K over the [R, Hkv, max_blocks] float32
     scores: the in-line path's prediction, best first. The pipeline uses `score_select`
     instead, which skips the sort (78 against 101 µs on the H200 at 16 × 2048 blocks)."""
     s = score_blocks_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
                             num_sink, window_start, block_tile, combine=combine,
-                            range_weight=range_weight, kernel=kernel)
+                            range_weight=range_weight)
     return topk_blocks(s, k)
 
 
@@ -407,7 +363,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  k: int, max_blocks: int, num_sink: int = 0,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
                  block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
-                 kernel: str = "mma", tiles_per_program: int = 8,
+                 tiles_per_program: int = 8,
                  stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
@@ -423,8 +379,8 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
-                                   range_weight=range_weight, kernel=kernel,
-                                   tiles_per_program=tiles_per_program, stages=stages)
+                                   range_weight=range_weight, tiles_per_program=tiles_per_program,
+                                   stages=stages)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -437,7 +393,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, kernel="mma", tiles_per_program=8, stages=3):
+                        range_weight=RANGE_WEIGHT, tiles_per_program=8, stages=3):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
@@ -446,7 +402,7 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
                        window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight,
-                       kernel=kernel, tiles_per_program=tiles_per_program, stages=stages)
+                       tiles_per_program=tiles_per_program, stages=stages)
     if out is None:
         out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
                torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))

@@ -66,8 +66,7 @@ class LookaheadPipeline:
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
-        # The bounds kernel (block_scores.BOUNDS_KERNELS), its block tile, tiles per program, stages.
-        self.score_kernel = ("mma", 64, 8, 3)
+        self.bounds_tiling = (64, 8, 3)  # the bounds kernel's blocks per tile, tiles per program, stages
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
@@ -290,8 +289,8 @@ class LookaheadPipeline:
                      self.next_blocks[:B], self.G, self.K, max_blocks=self.max_blocks, num_sink=self.S,
                      window_start=self.next_window[:B],
                      out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
-                     kernel=self.score_kernel[0], block_tile=self.score_kernel[1],
-                     tiles_per_program=self.score_kernel[2], stages=self.score_kernel[3])
+                     block_tile=self.bounds_tiling[0], tiles_per_program=self.bounds_tiling[1],
+                     stages=self.bounds_tiling[2])
 
     def select(self, layer: int) -> None:
         B, H = self.B, self.H
