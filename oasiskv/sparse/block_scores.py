@@ -32,11 +32,11 @@ Because kmax >= kmin elementwise, each head's score is two D-vectors against the
 
 On CUDA the bounds kernel loads each (block tile, kv head) of summaries once and computes the
 G heads' bounds from it on the tensor cores (2·G·D multiply-adds per 4·D bytes in bf16:
-bandwidth-bound, one pass over the summaries). It writes them [R, Hq, M] in float32 with each tile's best bound per head
-(4·G bytes per (block, kv head): a few % of the summary bytes at D = 128); a second small kernel
-takes each head's best over the tiles and combines. The torch path (CPU) does the same with one
-batched matmul; the reference spells out the literal max per head. All agree up to float32
-rounding.
+bandwidth-bound, one pass over the summaries). It writes them [R, Hq, M] in float32 with each
+tile's best bound per head (4·G bytes per (block, kv head): a few % of the summary bytes at
+D = 128); a second small kernel takes each head's best over the tiles and combines. The torch
+path (CPU) does the same with one batched matmul; the reference spells out the literal max per
+head. All agree up to float32 rounding.
 
 Scores are indexed by the sequence's logical block (0 .. num_blocks-1); blocks outside the
 scored range are -inf. Optionally the sink blocks (< num_sink) and the local window
@@ -193,11 +193,11 @@ if triton is not None:
 
     @triton.jit
     def _bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                           stride_qr, stride_qh, stride_kb, stride_kh,
-                           stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
-                           wide, narrow, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-                           HAS_WS: tl.constexpr, PRECISION: tl.constexpr):
+                       stride_qr, stride_qh, stride_kb, stride_kh,
+                       stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
+                       wide, narrow, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+                       HAS_WS: tl.constexpr, PRECISION: tl.constexpr):
         """One program: (sequence r, kv head h, TILES consecutive tiles of BB blocks), each
         tile's summaries loaded once for all G query heads of the group, the next tiles' loads in
         flight while one is summed (STAGES-deep software pipelining). The sums over D run on the
