@@ -87,9 +87,14 @@ def run_interpreter_cases() -> dict[str, float]:
         first = torch.tensor([False, True, True, False])
         want = kmin.clone(), kmax.clone()
         update_block_minmax(*want, blocks, keys, first)
-        _fold_keys_kernel[(4,)](kmin, kmax, blocks, keys, first, keys.stride(0), HD=16, HDP=16)
+        # Each row's second half of a [4, 2, 3, 8] tensor (strided rows of 24) copied alongside.
+        rows = torch.randn(4, 2, 3, 8, generator=gen).to(dtype)
+        copied = torch.zeros(4, 3, 8, dtype=dtype)
+        _fold_keys_kernel[(4,)](kmin, kmax, blocks, keys, first, keys.stride(0), rows[:, 1], copied,
+                                rows.stride(0), HD=16, HDP=16, COPY=True, N=24, NP=32)
         errors["fold_" + name] = max((kmin.float() - want[0].float()).abs().max().item(),
-                                     (kmax.float() - want[1].float()).abs().max().item())
+                                     (kmax.float() - want[1].float()).abs().max().item(),
+                                     (copied.float() - rows[:, 1].float()).abs().max().item())
     errors.update(run_sparse_copy_cases(gen))
     return errors
 

@@ -234,10 +234,12 @@ class LookaheadPipeline:
         """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft)."""
         R = self.B
         key = k.view(R, 2, self.H, self.D)[:, 0]
-        self.update_summaries(layer, key)
+        # The draft query is copied out in the summary fold's launch: the stages read it later,
+        # from another stream, after the foreground has moved on.
+        draft = q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0] if self.prefetch else None
+        self.update_summaries(layer, key, draft)
         if not self.prefetch:
             return
-        self.draft_q[layer, :R].copy_(q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0])
         if not self.background:
             self.predict(layer)
             self.select(layer)
@@ -278,10 +280,12 @@ class LookaheadPipeline:
             self.timing.joined.record()
 
     # ---- the stages ----------------------------------------------------------------
-    def update_summaries(self, layer: int, key: torch.Tensor) -> None:
-        """Fold each active row's new key [B, Hkv, D] into its block's min/max."""
+    def update_summaries(self, layer: int, key: torch.Tensor, draft: torch.Tensor | None = None) -> None:
+        """Fold each active row's new key [B, Hkv, D] into its block's min/max; and copy the draft
+        queries [B, Hq, D] into `draft_q` (when given)."""
         B = self.B
-        fold_keys_(self.kmin[layer], self.kmax[layer], self.summary_block[:B], key, self.first_in_block[:B])
+        fold_keys_(self.kmin[layer], self.kmax[layer], self.summary_block[:B], key, self.first_in_block[:B],
+                   draft, self.draft_q[layer, :B] if draft is not None else None)
 
     def predict(self, layer: int) -> None:
         B, H = self.B, self.H

@@ -57,26 +57,45 @@ except ImportError:  # CPU-only installs use the torch path
 
 
 def fold_keys_(kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor,
-               first_in_block: torch.Tensor) -> None:
+               first_in_block: torch.Tensor, rows_from: torch.Tensor | None = None,
+               rows_to: torch.Tensor | None = None) -> None:
     """`update_block_minmax` for one token per row, each row a different block (a decode step
     of distinct requests): one launch on CUDA instead of a dozen, since it runs in every layer
-    of every step on the critical path. block_ids -1: skip the row."""
+    of every step on the critical path. block_ids -1: skip the row.
+
+    rows_from -> rows_to ([R, ...], each row contiguous): copied in the same launch, every row
+    (the pipeline's draft queries: a separate strided copy cost a launch per layer)."""
+    copy = rows_from is not None
     if kmin.is_cuda and triton is not None:
         R, H, D = keys.shape
         assert kmin.is_contiguous() and keys.stride(-1) == 1 and keys.stride(-2) == D
+        if copy:
+            assert rows_to.is_contiguous() and rows_from.shape == rows_to.shape
+            assert rows_from[0].is_contiguous()
+        n = rows_to[0].numel() if copy else 1
         if R:
             _fold_keys_kernel[(R,)](kmin, kmax, block_ids, keys, first_in_block, keys.stride(0),
-                                    HD=H * D, HDP=triton.next_power_of_2(H * D), num_warps=4)
+                                    rows_from if copy else keys, rows_to if copy else keys,
+                                    rows_from.stride(0) if copy else 0,
+                                    HD=H * D, HDP=triton.next_power_of_2(H * D), COPY=copy, N=n,
+                                    NP=triton.next_power_of_2(n), num_warps=4)
         return
     update_block_minmax(kmin, kmax, block_ids, keys, first_in_block)
+    if copy:
+        rows_to.copy_(rows_from)
 
 
 if triton is not None:
 
     @triton.jit
     def _fold_keys_kernel(kmin_ptr, kmax_ptr, block_ptr, key_ptr, first_ptr, stride_key,
-                          HD: tl.constexpr, HDP: tl.constexpr):
+                          from_ptr, to_ptr, stride_from, HD: tl.constexpr, HDP: tl.constexpr,
+                          COPY: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
         r = tl.program_id(0)
+        if COPY:
+            j = tl.arange(0, NP)
+            x = tl.load(from_ptr + r * stride_from + j, mask=j < N)
+            tl.store(to_ptr + r * N + j, x, mask=j < N)
         b = tl.load(block_ptr + r).to(tl.int64)
         if b >= 0:
             i = tl.arange(0, HDP)
