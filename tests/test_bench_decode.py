@@ -59,3 +59,25 @@ def test_bench_decode_async_modes_side_by_side(tmp_path):
     assert [(r["mode"], r["async_scheduling"]) for r in res["runs"]] == [
         ("dense", False), ("sparse", False), ("dense", True), ("sparse", True)]
     assert sorted(s["async_scheduling"] for s in res["speedups"]) == [False, True]
+
+
+def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
+    """--stage-ablation adds a predict-only and a predict + select run; the first admits
+    nothing, and neither counts in the speedups. The transfer and bounds-kernel knobs are
+    recorded per run."""
+    out = tmp_path / "decode.json"
+    p = argparse.ArgumentParser()
+    add_decode_args(p)
+    add_engine_args(p)
+    args = p.parse_args(["--model", "smollm2-135m", "--load-format", "dummy", "--sweep", "--batch-sizes", "2",
+                         "--context-lens", "600", "--steps", "2", "--warmup", "1", "--top-k-blocks", "8",
+                         "--host-kv-gb", "0.2", "--kv-cache-gb", "0.2", "--stage-ablation",
+                         "--transfer-programs", "4:2", "--bounds-tiling", "32:2:2", "--output-json", str(out)])
+    assert run_decode_bench(args) == 0
+    res = json.loads(out.read_text())
+    dense, sparse, predict, select = res["runs"]
+    assert [r.get("pipeline_stages") for r in (sparse, predict, select)] == [3, 1, 2]
+    assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
+    assert predict["fetched_bytes_per_step"] == 0
+    assert (sparse["transfer_programs"], sparse["transfer_items"], sparse["bounds_tiling"]) == (4, 2, "32:2:2")
+    assert [s["speedup"] for s in res["speedups"]] == [sparse["output_tok_s"] / dense["output_tok_s"]]

@@ -242,8 +242,10 @@ class LookaheadPipeline:
             return
         if not self.background:
             self.predict(layer)
-            self.select(layer)
-            self.transfer(layer)
+            if self.stages >= 2:
+                self.select(layer)
+            if self.stages >= 3:
+                self.transfer(layer)
             return
         predict, select, transfer = self.streams
         predict.wait_stream(torch.cuda.current_stream(self.device))
