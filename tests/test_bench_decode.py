@@ -9,20 +9,25 @@ import pytest
 from oasiskv.bench.decode import FETCH_RATIOS, add_decode_args, run_decode_bench
 from oasiskv.entrypoints.args import add_engine_args
 
+SMALL = ["--model", "smollm2-135m", "--load-format", "dummy", "--steps", "2", "--warmup", "1",
+         "--top-k-blocks", "8", "--host-kv-gb", "0.2", "--kv-cache-gb", "0.2"]
 
-@pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys, async_scheduling):
+
+def run_bench(tmp_path, *flags: str) -> dict:
+    """`bench decode` at the tiny size with these flags; its JSON."""
     out = tmp_path / "decode.json"
     p = argparse.ArgumentParser()
     add_decode_args(p)
     add_engine_args(p)
-    args = p.parse_args(["--model", "smollm2-135m", "--load-format", "dummy", "--context-len", "600",
-                         "--batch-size", "2", "--batch-sizes", "2", "--context-lens", "600", "--sweep",
-                         "--no-prefetch-run", "--steps", "2", "--warmup", "1", "--top-k-blocks", "8",
-                         "--host-kv-gb", "0.2", "--kv-cache-gb", "0.2", "--fetch-ablation",
-                         "--gpu-kv-gb", "0.05", "--async-scheduling", async_scheduling, "--output-json", str(out)])
-    assert run_decode_bench(args) == 0
-    res = json.loads(out.read_text())
+    assert run_decode_bench(p.parse_args([*SMALL, *flags, "--output-json", str(out)])) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys, async_scheduling):
+    res = run_bench(tmp_path, "--context-len", "600", "--batch-size", "2", "--batch-sizes", "2",
+                    "--context-lens", "600", "--sweep", "--no-prefetch-run", "--fetch-ablation",
+                    "--gpu-kv-gb", "0.05", "--async-scheduling", async_scheduling)
     dense, sparse, fg = res["runs"]
     assert dense["async_scheduling"] == sparse["async_scheduling"] == (async_scheduling == "on")
     assert (dense["mode"], sparse["mode"], fg["mode"], fg["prefetch"]) == ("dense", "sparse", "sparse", False)
@@ -46,16 +51,7 @@ def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys, asy
 
 
 def test_bench_decode_async_modes_side_by_side(tmp_path):
-    out = tmp_path / "decode.json"
-    p = argparse.ArgumentParser()
-    add_decode_args(p)
-    add_engine_args(p)
-    args = p.parse_args(["--model", "smollm2-135m", "--load-format", "dummy", "--sweep", "--batch-sizes", "2",
-                         "--context-lens", "600", "--steps", "2", "--warmup", "1", "--top-k-blocks", "8",
-                         "--host-kv-gb", "0.2", "--kv-cache-gb", "0.2", "--async-modes", "off,on",
-                         "--output-json", str(out)])
-    assert run_decode_bench(args) == 0
-    res = json.loads(out.read_text())
+    res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--async-modes", "off,on")
     assert [(r["mode"], r["async_scheduling"]) for r in res["runs"]] == [
         ("dense", False), ("sparse", False), ("dense", True), ("sparse", True)]
     assert sorted(s["async_scheduling"] for s in res["speedups"]) == [False, True]
@@ -65,16 +61,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     """--stage-ablation adds a predict-only and a predict + select run; the first admits
     nothing, and neither counts in the speedups. The transfer and bounds-kernel knobs are
     recorded per run."""
-    out = tmp_path / "decode.json"
-    p = argparse.ArgumentParser()
-    add_decode_args(p)
-    add_engine_args(p)
-    args = p.parse_args(["--model", "smollm2-135m", "--load-format", "dummy", "--sweep", "--batch-sizes", "2",
-                         "--context-lens", "600", "--steps", "2", "--warmup", "1", "--top-k-blocks", "8",
-                         "--host-kv-gb", "0.2", "--kv-cache-gb", "0.2", "--stage-ablation",
-                         "--transfer-programs", "4:2", "--bounds-tiling", "32:2:2", "--output-json", str(out)])
-    assert run_decode_bench(args) == 0
-    res = json.loads(out.read_text())
+    res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
+                    "--transfer-programs", "4:2", "--bounds-tiling", "32:2:2")
     dense, sparse, predict, select = res["runs"]
     assert [r.get("pipeline_stages") for r in (sparse, predict, select)] == [3, 1, 2]
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0

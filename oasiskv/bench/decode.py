@@ -173,9 +173,10 @@ class DecodeBench:
                 p.transfer_items = int(items[0])
             p.prefetch = prefetch
             p.stages = stages
-            p.bounds_tiling = tuple(int(x) for x in (bounds_tiling or self.args.bounds_tiling.split(",")[0]).split(":"))
+            tiling = bounds_tiling or self.args.bounds_tiling.split(",")[0]
+            p.bounds_tiling = tuple(int(x) for x in tiling.split(":"))
             if len(p.bounds_tiling) != 3:
-                raise ValueError(f"--bounds-tiling takes TILE:TILES:STAGES, not {bounds_tiling!r}")
+                raise ValueError(f"--bounds-tiling takes TILE:TILES:STAGES, not {tiling!r}")
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
