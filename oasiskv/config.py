@@ -30,6 +30,7 @@ class EngineConfig:
     fetch_ratio: float = 0.05
     drafter: str = "self"
     host_kv_gb: float = 4.0
+    summary_dtype: str = "auto"
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
 
@@ -62,4 +63,5 @@ class EngineConfig:
     def sparse_config(self) -> SparseConfig:
         return SparseConfig(enabled=self.sparse, top_k_blocks=self.top_k_blocks, sink_blocks=self.sink_blocks,
                             window_blocks=self.window_blocks, sparse_threshold=self.sparse_threshold,
-                            fetch_ratio=self.fetch_ratio, drafter=self.drafter, host_kv_gb=self.host_kv_gb)
+                            fetch_ratio=self.fetch_ratio, drafter=self.drafter, host_kv_gb=self.host_kv_gb,
+                            summary_dtype=self.summary_dtype)

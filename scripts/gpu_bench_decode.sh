@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -22,6 +22,12 @@ quick)
 b16)  # the equal-batch acceptance rows only: dense and sparse at batch 16, 16K and 32K, async scheduling off and on
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --async-modes off,on \
     --output-json "$OUT/decode_b16.json" 2>&1 | tee "$OUT/decode_b16.log"
+  ;;
+summaries)  # fp8 against KV-dtype summaries: kernel checks and timings, engine tokens, then batch 16 side by side
+  python3 scripts/gpu_check_sparse.py 2>&1 | tee "$OUT/check_sparse.log"
+  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -4 | tee "$OUT/check_sparse_engine_fp8.log"
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes auto,fp8 \
+    --output-json "$OUT/decode_b16_summaries.json" 2>&1 | tee "$OUT/decode_b16_summaries.log"
   ;;
 full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool)
   bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --fetch-ablation \

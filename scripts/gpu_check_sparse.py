@@ -32,6 +32,7 @@ from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_
                                          score_blocks_triton, score_select_triton, score_topk_triton,
                                          topk_blocks)
 from oasiskv.sparse.capped_eviction import capped_eviction
+from oasiskv.sparse.summaries import FP8, to_summary
 
 PEAK_TBS = HBM_BYTES_PER_S / 1e12
 HQ, HKV, D = 32, 8, 128  # Qwen3-8B attention heads
@@ -52,9 +53,10 @@ def guarded(check, *args, **kw):
         record(f"{check.__name__}{args}{kw}", False, error=repr(e)[:400])
 
 
-def score_inputs(R, max_blocks, dtype, seed=0, hkv=HKV, g=G, d=D):
+def score_inputs(R, max_blocks, dtype, seed=0, hkv=HKV, g=G, d=D, fp8=False):
     """Ragged sequences (one of max_blocks, one of 1, the rest in [max/2, max]) packed into one
-    global summary tensor with a gap block after each; real min/max pairs (kmin <= kmax)."""
+    global summary tensor with a gap block after each; real min/max pairs (kmin <= kmax);
+    fp8: the summaries in e4m3 (`--summary-dtype fp8`), the queries in dtype."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     nb = torch.randint(max_blocks // 2, max_blocks + 1, (R,), device=DEV, generator=gen)
     nb[0] = max_blocks
@@ -66,6 +68,8 @@ def score_inputs(R, max_blocks, dtype, seed=0, hkv=HKV, g=G, d=D):
     a = torch.randn(total, hkv, d, device=DEV, generator=gen)
     b = torch.randn(total, hkv, d, device=DEV, generator=gen)
     kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+    if fp8:
+        kmin, kmax = to_summary(kmin, FP8), to_summary(kmax, FP8)
     q = torch.randn(R, hkv * g, d, device=DEV, generator=gen).to(dtype)
     return q, kmin, kmax, off, nb
 
@@ -101,7 +105,9 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
     if window:  # sinks 0..3 and a 4-block window left out of the ranking
         kw = dict(num_sink=4, window_start=(nb - 4).clamp_min(0).int())
     g = shape.get("g", G)
-    name = f"{str(dtype)[6:]} R{R} M{max_blocks} k{k} {shape or ''}{' sink+window' if window else ''}"
+    name = (f"{str(dtype)[6:]}{' fp8-summaries' if shape.get('fp8') else ''} R{R} M{max_blocks} k{k} "
+            f"{ {k: v for k, v in shape.items() if k != 'fp8'} or ''}{' sink+window' if window else ''}")
+    shape.pop("fp8", None)
     u = torch.full((R, q.shape[1], max_blocks), float("nan"), device=q.device)
     head_bounds_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile, out=u, **kw)
     ref_u = head_bounds_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
@@ -178,14 +184,15 @@ def check_graph_replay(R=16, max_blocks=512, k=64, cap=7):
            admitted_total=int(eager.admitted.sum()))
 
 
-def check_summaries_graph(R=64, total=4096, dtype=torch.bfloat16):
-    """update_block_minmax captured once, replayed on new rows: equal to an eager update."""
-    from oasiskv.sparse.summaries import update_block_minmax
-    kmin = torch.randn(total, HKV, D, device=DEV).to(dtype)
-    kmax = kmin + 1
+def check_summaries_graph(R=64, total=4096, dtype=torch.bfloat16, key_dtype=None):
+    """update_block_minmax captured once, replayed on new rows: equal to an eager update; and
+    the pipeline's fold kernel (one token per distinct block) equal to it too."""
+    from oasiskv.sparse.summaries import fold_keys_, update_block_minmax
+    kmin = to_summary(torch.randn(total, HKV, D, device=DEV) * 100, dtype)  # fp8: some past ±448
+    kmax = to_summary(kmin.float() + 1, dtype)
     ids = torch.randperm(total, device=DEV)[:R]
     ids[-1] = -1  # a padding row
-    keys = torch.randn(R, HKV, D, device=DEV).to(dtype)
+    keys = (torch.randn(R, HKV, D, device=DEV) * 100).to(key_dtype or dtype)
     first = torch.rand(R, device=DEV) < 0.3
     work = (kmin.clone(), kmax.clone())
     s = torch.cuda.Stream()
@@ -196,12 +203,17 @@ def check_summaries_graph(R=64, total=4096, dtype=torch.bfloat16):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         update_block_minmax(*work, ids, keys, first)
-    ids.copy_(torch.randperm(total, device=DEV)[:R]), keys.normal_(), first.bernoulli_(0.5)
+    ids.copy_(torch.randperm(total, device=DEV)[:R]), keys.copy_(torch.randn_like(keys, dtype=torch.float) * 100)
+    first.bernoulli_(0.5)
     work[0].copy_(kmin), work[1].copy_(kmax)
+    folded = (kmin.clone(), kmax.clone())
     graph.replay()
     update_block_minmax(kmin, kmax, ids, keys, first)
-    record(f"graph replay update_block_minmax R{R}",
-           torch.equal(work[0], kmin) and torch.equal(work[1], kmax))
+    fold_keys_(*folded, ids, keys, first)
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731  (fp8: no eq)
+    name = f"{str(dtype)[6:]}{' keys ' + str(key_dtype)[6:] if key_dtype else ''} R{R}"
+    record(f"graph replay update_block_minmax {name}", same(work[0], kmin) and same(work[1], kmax))
+    record(f"fold kernel = update_block_minmax {name}", same(folded[0], kmin) and same(folded[1], kmax))
 
 
 def bench(fn, graph=True):
@@ -250,8 +262,17 @@ def run_timings(R=16, max_blocks=2048, k=128):
             q, kmin, kmax, off, nb, G, kk, max_blocks)), {}))
     rows.append(("torch path (score_blocks_torch+topk)", bench(lambda: topk_blocks(
         score_blocks_torch(q, kmin, kmax, off, nb, G, max_blocks), k)), {}))
+    # fp8 summaries: half the bytes, the same kernel widening them in registers.
+    q8, kmin8, kmax8 = q, to_summary(kmin, FP8), to_summary(kmax, FP8)
+    for tile, tpp, stages in ((64, 8, 3), (64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 16, 3)):
+        cfg = dict(block_tile=tile, tiles_per_program=tpp, stages=stages, num_warps=4)
+        rows.append((f"bounds fp8 t{tile} x{tpp} s{stages} w4", bench(lambda: head_bounds_triton(
+            q8, kmin8, kmax8, off, nb, G, max_blocks, out=bounds, **cfg)), dict(cfg, summary_bytes=nbytes // 2)))
+    sel = (torch.empty(R * HKV, k, dtype=torch.int32, device=DEV), torch.empty(R * HKV, k, device=DEV))
+    rows.append((f"fused select fp8, k={k}", bench(lambda: score_select_triton(
+        q8, kmin8, kmax8, off, nb, G, k, max_blocks, out=sel)), dict(summary_bytes=nbytes // 2)))
     for name, us, cfg in rows:
-        gbs = nbytes / us / 1e3 if "topk only" not in name else float("nan")
+        gbs = cfg.get("summary_bytes", nbytes) / us / 1e3 if "topk only" not in name else float("nan")
         results["score_table"].append(dict(what=name, us=round(us, 1), GB_s=round(gbs, 1), **cfg))
         print(f"{name:<34} {us:>8.1f} {gbs:>8.0f} {gbs / (PEAK_TBS * 1e3):>11.1%}")
 
@@ -272,6 +293,7 @@ def cpu_smoke():
     DEV = "cpu"
     check_scores(3, 40, 8, torch.float16, tile=16, hkv=2, g=4, d=64)
     check_scores(3, 40, 8, torch.float32, window=True, tile=16, hkv=2, g=4, d=64)
+    check_scores(3, 40, 8, torch.float16, tile=16, hkv=2, g=4, d=64, fp8=True)
     resident, last, predicted, ws = eviction_inputs(8, 16, 16, 64)
     plan = capped_eviction(resident, last, predicted, 4, ws, 7, 60)
     record("capped_eviction cpu smoke", bool((plan.admitted <= 7).all()))
@@ -291,8 +313,11 @@ def main():
         guarded(check_scores, 16, 2048, 128, torch.bfloat16, window=True)
         guarded(check_scores, 16, 2048, 64, torch.bfloat16, tile=128)
         guarded(check_scores, 5, 300, 32, torch.bfloat16, hkv=4, g=3, d=64)  # ragged last tile
+        guarded(check_scores, 16, 2048, 128, torch.bfloat16, fp8=True)
+        guarded(check_scores, 16, 2048, 128, torch.bfloat16, window=True, fp8=True)
         guarded(check_graph_replay)
         guarded(check_summaries_graph)
+        guarded(check_summaries_graph, dtype=FP8, key_dtype=torch.bfloat16)
     n_fail = sum(not c["ok"] for c in results["checks"])
     try:
         if not (opts.quick or opts.cpu_smoke):

@@ -37,9 +37,10 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--pipeline", default="auto", help="--sparse-pipeline of the full-budget run")
+    ap.add_argument("--summary-dtype", default="auto", help="auto | fp8")
     a = ap.parse_args()
     common = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.prompt_len + a.steps + 16, max_num_seqs=4,
-                  kv_cache_gb=4.0)
+                  kv_cache_gb=4.0, summary_dtype=a.summary_dtype)
     g = torch.Generator().manual_seed(0)
     vocab_probe = LLM(a.model, **common)
     prompts = [torch.randint(0, vocab_probe.engine.runner.model_config.vocab_size, (a.prompt_len,),
@@ -81,6 +82,7 @@ def main():
     async_same = [x.token_ids == y.token_ids and x.stats["draft_acceptance"] == y.stats["draft_acceptance"]
                   for x, y in zip(capped["on", "on"], capped["on", "off"])]
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
+           "summary_dtype": a.summary_dtype,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,
@@ -96,7 +98,8 @@ def main():
     print("PASS" if all(async_same) and overlapped else "FAIL", f"capped budget, pipeline with async scheduling vs "
           f"without: tokens and draft acceptance equal {async_same}, {overlapped} overlapped steps")
     if os.environ.get("OUT"):
-        name = f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}_{a.prompt_len}.json"
+        fp8 = "_fp8_summaries" if a.summary_dtype == "fp8" else ""
+        name = f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}_{a.prompt_len}{fp8}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(res, f, indent=2)
 

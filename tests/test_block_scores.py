@@ -173,6 +173,8 @@ TRITON_CASES = {  # R, Hkv, G, D, num_blocks, dtype, extra kwargs
     # loads two deep (the last program's second tile is past the end).
     "g4_d128_fp16_2_tiles_per_program": (2, 2, 4, 128, [40, 23], torch.float16,
                                          dict(tiles_per_program=2, stages=2)),
+    # fp8 summaries (`--summary-dtype fp8`), widened to the query's dtype in the kernel.
+    "g4_d128_fp16_fp8_summaries": (3, 2, 4, 128, [17, 40, 8], torch.float16, dict(fp8=True)),
 }
 MAX_BLOCKS, TILE, K = 40, 16, 6  # 3 tiles, the last partial
 
@@ -183,10 +185,13 @@ def run_interpreter_cases() -> dict:
     whether the top-K sets agree with the reference's (up to ties)."""
     from oasiskv.sparse.block_scores import (head_bounds_triton, score_blocks_triton,
                                              score_select_triton, score_topk_triton)
+    from oasiskv.sparse.summaries import FP8, to_summary
     results = {}
     for name, (R, Hkv, G, D, nbs, dtype, kw) in TRITON_CASES.items():
         q, kmin, kmax, off, nb, _ = make_inputs(R, Hkv, G, D, nbs, dtype, seed=len(name))
         kw = dict(kw)
+        if kw.pop("fp8", False):
+            kmin, kmax = to_summary(kmin, FP8), to_summary(kmax, FP8)
         if "window_start" in kw:
             kw = dict(kw, window_start=torch.tensor(kw["window_start"], dtype=torch.int32))
         tuning = {k: kw.pop(k) for k in ("tiles_per_program", "stages") if k in kw}  # bounds + select only

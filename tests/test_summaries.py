@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasiskv.sparse.summaries import block_minmax, update_block_minmax
+from oasiskv.sparse.summaries import FP8, block_minmax, to_summary, update_block_minmax, write_block_minmax
 
 
 @pytest.mark.parametrize("n,bs", [(1, 16), (16, 16), (37, 16), (64, 16), (13, 8)])
@@ -73,3 +73,24 @@ def test_update_with_several_tokens_of_one_block():
     assert torch.equal(kmin[1], keys[:3].amin(0)) and torch.equal(kmax[1], keys[:3].amax(0))
     assert torch.equal(kmin[2], torch.minimum(old_min, keys[3:].amin(0)))
     assert torch.equal(kmax[2], torch.maximum(old_max, keys[3:].amax(0)))
+
+
+def test_fp8_summaries_are_the_rounded_exact_ones():
+    """fp8 storage: built at once or token by token (one call per token, a padding row beside),
+    the summaries equal the exact float32 min/max rounded once, keys past ±448 saturating."""
+    gen = torch.Generator().manual_seed(2)
+    bs, H, D, n = 4, 2, 16, 23
+    keys = torch.randn(n, H, D, generator=gen) * 200  # a few past e4m3's ±448
+    lo, hi = block_minmax(keys, bs)
+    want_min, want_max = to_summary(lo, FP8), to_summary(hi, FP8)
+    assert want_max.float().max() == 448 and not want_min.float().isnan().any()
+    built = torch.empty(6, H, D, dtype=FP8), torch.empty(6, H, D, dtype=FP8)
+    write_block_minmax(*built, keys, bs)
+    kmin = torch.full((6, H, D), 3.0).to(FP8)  # stale values, reset by each block's first token
+    kmax = kmin.clone()
+    for i in range(n):
+        update_block_minmax(kmin, kmax, torch.tensor([i // bs, -1]), torch.cat([keys[i:i + 1], keys[:1]]),
+                            torch.tensor([i % bs == 0, True]))
+    for got_min, got_max in (built, (kmin, kmax)):
+        assert got_min.dtype == FP8
+        assert torch.equal(got_min.float(), want_min.float()) and torch.equal(got_max.float(), want_max.float())

@@ -44,6 +44,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bounds-tiling", default="64:8:3",
                    help="the prediction's bounds kernel as TILE:TILES:STAGES: blocks per tile, tiles per "
                         "program, load stages; a comma list runs sparse once per value")
+    p.add_argument("--summary-dtypes", default=None,
+                   help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
+                        "the engine's --summary-dtype only)")
     p.add_argument("--async-modes", default=None,
                    help="comma list of off / on: run the equal-batch part once per async-scheduling mode, side "
                         "by side (default: the engine's --async-scheduling only)")
@@ -95,9 +98,10 @@ class DecodeBench:
     def page_bytes(self) -> int:
         return self.runner.kv_bytes_per_page
 
-    def summary_bytes(self, context: int) -> int:
+    def summary_bytes(self, context: int, summary_dtype: str | None = None) -> int:
         mc = self.mc
-        return 2 * self.blocks(context) * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.runner.dtype.itemsize
+        size = 1 if (summary_dtype or self.sparse_cfg.summary_dtype) == "fp8" else self.runner.dtype.itemsize
+        return 2 * self.blocks(context) * mc.num_layers * mc.num_kv_heads * mc.head_dim * size
 
     def host_bytes(self, context: int) -> int:
         return self.blocks(context) * self.page_bytes
@@ -148,12 +152,14 @@ class DecodeBench:
     @torch.inference_mode()
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: str | None = None, prefetch: bool = True, stages: int = 3,
-                   transfer_backend: str | None = None, bounds_tiling: str | None = None) -> dict:
+                   transfer_backend: str | None = None, bounds_tiling: str | None = None,
+                   summary_dtype: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
         r, mc, bs = self.runner, self.mc, self.bs
-        cfg = dataclasses.replace(self.sparse_cfg, fetch_ratio=fetch_ratio or self.sparse_cfg.fetch_ratio)
+        cfg = dataclasses.replace(self.sparse_cfg, fetch_ratio=fetch_ratio or self.sparse_cfg.fetch_ratio,
+                                  summary_dtype=summary_dtype or self.sparse_cfg.summary_dtype)
         P, K, S, W = cfg.working_set_blocks, cfg.top_k_blocks, cfg.sink_blocks, cfg.window_blocks
         nb = self.blocks(context)
         if batch * P > r.num_pages:
@@ -185,8 +191,10 @@ class DecodeBench:
             pick = torch.rand(mc.num_layers, batch * mc.num_kv_heads, choices, device=r.device).argsort(-1)
             p.resident.copy_((pick[..., :K] + S).int())
             p.last.zero_()
-            p.kmin.normal_()
-            p.kmax.copy_(p.kmin + torch.randn_like(p.kmin).abs())
+            lo = torch.randn(p.kmin.shape, device=r.device)
+            p.kmin.copy_(lo)
+            p.kmax.copy_(lo + torch.randn_like(lo).abs())
+            del lo
             p.cached.fill_(context - 1)
             p.active.fill_(True)
             use_graph = r.device.type == "cuda" and not self.args.enforce_eager
@@ -217,14 +225,14 @@ class DecodeBench:
             fetched = (f1 - f0) / self.args.steps
             ws_tokens = (S + K + W - 1) * bs + bs // 2  # sinks, dynamic, full window blocks, half a block
             kv = batch * ws_tokens * mc.kv_bytes_per_token(r.dtype.itemsize)
-            summaries = batch * self.summary_bytes(context) * ((context // bs) / nb)  # scored range
+            summaries = batch * self.summary_bytes(context, cfg.summary_dtype) * ((context // bs) / nb)  # scored range
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
                        pipeline_stages=stages,
                        transfer_programs=p.transfer_programs, transfer_items=p.transfer_items,
                        transfer_backend=p.transfer_backend,
-                       bounds_tiling=":".join(map(str, p.bounds_tiling)),
+                       bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -358,8 +366,10 @@ def run_decode_bench(args) -> int:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
                                 for tiling in args.bounds_tiling.split(","):
-                                    record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                            transfer_backend=backend, bounds_tiling=tiling))
+                                    for summary in (args.summary_dtypes or args.summary_dtype).split(","):
+                                        record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                                transfer_backend=backend, bounds_tiling=tiling,
+                                                                summary_dtype=summary))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -423,6 +433,7 @@ def print_row(r: dict) -> None:
           f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
           f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
           f"{'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
+          f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} "
           f"{'items ' + str(r.get('transfer_items')) if sp else ''}", flush=True)
 
 

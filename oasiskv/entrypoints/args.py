@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--fetch-all", action="store_true", help="no cap (fetch ratio 1.0)")
     sp.add_argument("--drafter", default="self", help="self | ngram | prev | oracle | ondemand")
     sp.add_argument("--host-kv-gb", type=float, default=4.0)
+    sp.add_argument("--summary-dtype", default="auto", choices=["auto", "fp8"],
+                    help="block min/max summaries: auto (the KV dtype) or fp8 e4m3 (half the bytes each step scans)")
     sp.add_argument("--sparse-pipeline", default="auto", choices=["auto", "on", "off"],
                     help="batched lookahead pipeline in CUDA graphs (auto: on CUDA for self, ngram, prev); "
                          "off: the in-line per-request path")
@@ -49,5 +51,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, sparse=args.sparse, top_k_blocks=args.top_k_blocks,
         sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
         sparse_threshold=args.sparse_threshold, fetch_ratio=1.0 if args.fetch_all else args.fetch_ratio,
-        drafter=args.drafter, host_kv_gb=args.host_kv_gb, sparse_pipeline=args.sparse_pipeline,
+        drafter=args.drafter, host_kv_gb=args.host_kv_gb, summary_dtype=args.summary_dtype,
+        sparse_pipeline=args.sparse_pipeline,
         async_scheduling=args.async_scheduling)

@@ -197,7 +197,7 @@ if triton is not None:
                        stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
                        wide, narrow, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                        DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-                       HAS_WS: tl.constexpr, PRECISION: tl.constexpr):
+                       HAS_WS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
         """One program: (sequence r, kv head h, TILES consecutive tiles of BB blocks), each
         tile's summaries loaded once for all G query heads of the group, the next tiles' loads in
         flight while one is summed (STAGES-deep software pipelining). The sums over D run on the
@@ -208,7 +208,8 @@ if triton is not None:
         four [BB, D] x [D, GP] products (the G heads padded to GP columns) whose products are
         exact and whose sums run in float32: the float32 bounds up to summation order. (A
         float32 kernel summing across threads ran at 48% of the H200's bandwidth, this one at
-        70%: docs/benchmarks.md.)"""
+        70%: docs/benchmarks.md.) fp8 summaries are widened to the query's dtype in registers
+        (exactly), so the products stay exact."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         first = tl.program_id(2) * TILES
@@ -221,8 +222,9 @@ if triton is not None:
         qm = (d[:, None] < D) & (gi[None, :] < G)
         q = tl.load(q_ptr + r * stride_qr + (h * G + gi[None, :]) * stride_qh + d[:, None], mask=qm,
                     other=0.0)  # [DP, GP]
-        pos = tl.maximum(q, 0.0).to(kmax_ptr.dtype.element_ty)
-        neg = tl.minimum(q, 0.0).to(kmax_ptr.dtype.element_ty)
+        cdt = q_ptr.dtype.element_ty if FP8 else kmax_ptr.dtype.element_ty  # the products' dtype
+        pos = tl.maximum(q, 0.0).to(cdt)
+        neg = tl.minimum(q, 0.0).to(cdt)
         qh = h * G + gi
         for i in tl.range(0, TILES, num_stages=STAGES):
             t = first + i
@@ -230,8 +232,8 @@ if triton is not None:
             keep = (b >= num_sink) & (b < end)
             ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
             m = keep[:, None] & (d[None, :] < D)
-            hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0)
-            lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0)
+            hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(cdt)
+            lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(cdt)
             x = tl.dot(hi, pos, input_precision=PRECISION)
             x = tl.dot(lo, neg, x, input_precision=PRECISION)
             y = tl.dot(hi, neg, input_precision=PRECISION)
@@ -295,6 +297,7 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if tile_max is None:
         tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
+    fp8 = kmin.dtype == torch.float8_e4m3fn
     if R and max_blocks:
         _bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
@@ -303,7 +306,8 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
             G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)),
             BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
-            PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", num_warps=num_warps)
+            PRECISION="ieee" if (q.dtype if fp8 else kmin.dtype) == torch.float32 else "tf32", FP8=fp8,
+            num_warps=num_warps)
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+SUMMARY_DTYPES = ("auto", "fp8")  # block summaries: the KV dtype, or fp8 e4m3 (oasiskv.sparse.summaries)
 DRAFTERS = ("self", "ngram", "prev", "oracle", "ondemand")
 
 
@@ -17,6 +18,7 @@ class SparseConfig:
     fetch_ratio: float = 0.05  # C = ceil(ratio * K) new blocks per head per step; 1.0 = uncapped
     drafter: str = "self"
     host_kv_gb: float = 4.0  # size of the pinned host arena holding sparse requests' full KV
+    summary_dtype: str = "auto"  # block summaries: auto (the KV dtype) | fp8 (half the bytes scanned)
 
     def __post_init__(self):
         if not self.enabled:
@@ -31,6 +33,8 @@ class SparseConfig:
             raise ValueError(f"--fetch-ratio must be in (0, 1], got {self.fetch_ratio}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        if self.summary_dtype not in SUMMARY_DTYPES:
+            raise ValueError(f"unknown --summary-dtype {self.summary_dtype!r}; choose one of {', '.join(SUMMARY_DTYPES)}")
         if self.host_kv_gb <= 0:
             raise ValueError(f"--host-kv-gb must be positive, got {self.host_kv_gb}")
 

@@ -20,7 +20,7 @@ from oasiskv.sparse.capped_eviction import EvictionPlan, capped_eviction
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import TokenHistory, next_draft
 from oasiskv.sparse.host_pool import HostKVPool
-from oasiskv.sparse.summaries import block_minmax, update_block_minmax
+from oasiskv.sparse.summaries import summary_dtype, update_block_minmax, write_block_minmax
 from oasiskv.sparse.working_set import WorkingSet
 
 
@@ -49,6 +49,7 @@ class SparseManager:
         self.L, self.Hkv, self.D = model_config.num_layers, model_config.num_kv_heads, model_config.head_dim
         self.G = model_config.group_size
         self.device, self.dtype = kv.device, kv.dtype
+        self.summary_dtype = summary_dtype(cfg.summary_dtype, kv.dtype)
         self.host = HostKVPool(cfg.host_kv_gb, block_size, self.D, self.dtype,
                                pin=kv.is_cuda)
         self.item_bytes = 2 * block_size * self.D * self.dtype.itemsize
@@ -107,7 +108,7 @@ class SparseManager:
                        + torch.arange(H, device=self.device)[None, :])  # [nb, H]
         ext = seq.host_extent
         max_blocks = ext.max_blocks
-        kmin = torch.empty(L, max_blocks, H, self.D, dtype=self.dtype, device=self.device)
+        kmin = torch.empty(L, max_blocks, H, self.D, dtype=self.summary_dtype, device=self.device)
         kmax = torch.empty_like(kmin)
         P = cfg.working_set_blocks
         ws = WorkingSet(cfg, new_pages, ext,
@@ -121,7 +122,7 @@ class SparseManager:
             block_kv = self.kv[layer][dense_slots]  # [nb, H, 2, bs, D]
             items[layer, :nb].copy_(block_kv, non_blocking=True)
             keys = block_kv[:, :, 0].transpose(1, 2).reshape(nb * bs, H, self.D)[:n]
-            kmin[layer, :nb], kmax[layer, :nb] = block_minmax(keys, bs)
+            write_block_minmax(kmin[layer], kmax[layer], keys, bs)
             pred = self.predict(ws, layer, last_q[layer], n)
             positions = list(range(cfg.sink_blocks))
             blocks = list(range(cfg.sink_blocks))

@@ -38,7 +38,7 @@ from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import LOOKUP_WINDOW
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
-from oasiskv.sparse.summaries import fold_keys_
+from oasiskv.sparse.summaries import fold_keys_, summary_dtype
 
 TRANSFER_BACKENDS = ("uva", "dma")
 
@@ -74,7 +74,8 @@ class LookaheadPipeline:
         self.pages = torch.zeros(R, self.P, **i32)
         self.resident = torch.full((L, R * H, K), -1, **i32)
         self.last = torch.full((L, R * H, K), -1, **i32)
-        self.kmin = torch.zeros(L, summary_blocks, H, self.D, dtype=kv.dtype, device=dev)
+        self.kmin = torch.zeros(L, summary_blocks, H, self.D, dtype=summary_dtype(cfg.summary_dtype, kv.dtype),
+                                device=dev)
         self.kmax = torch.zeros_like(self.kmin)
         self.summary_offset = torch.zeros(R, dtype=torch.long, device=dev)
         self.extent_start = torch.zeros(R, dtype=torch.long, device=dev)

@@ -4,10 +4,33 @@ bytes at block size 16. The scores of `block_scores` read only these.
 
 The summaries of every sparse request of a layer live in one tensor [total_blocks, Hkv, D]
 indexed by a global block id (request offset + logical block); the caller keeps the offsets.
+
+They are stored in the KV dtype, or in fp8 (e4m3, `--summary-dtype fp8`): half the bytes that
+every decode step's prediction scans (at 32K context as many as the working set's KV). Keys are
+rounded to nearest and clamped to e4m3's ±448; rounding is monotone, so the min of rounded keys
+is the rounded min, and folding a token in fp8 gives what rounding the exact summary would.
 """
 from __future__ import annotations
 
 import torch
+
+from oasiskv.sparse.config import SUMMARY_DTYPES  # auto: the KV cache's dtype; fp8: e4m3
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def summary_dtype(name: str, kv_dtype: torch.dtype) -> torch.dtype:
+    if name not in SUMMARY_DTYPES:
+        raise ValueError(f"unknown summary dtype {name!r}; choose one of {', '.join(SUMMARY_DTYPES)}")
+    return FP8 if name == "fp8" else kv_dtype
+
+
+def to_summary(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the summaries' dtype; fp8 saturates at ±448 (±inf, the padding of a partial block's
+    min and max, included) instead of overflowing to NaN."""
+    if dtype == FP8:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
 
 
 def block_minmax(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,6 +43,13 @@ def block_minmax(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, tor
     lo = keys if pad == 0 else torch.cat([keys, keys.new_full((pad, H, D), float("inf"))])
     hi = keys if pad == 0 else torch.cat([keys, keys.new_full((pad, H, D), float("-inf"))])
     return (lo.view(nb, block_size, H, D).amin(1), hi.view(nb, block_size, H, D).amax(1))
+
+
+def write_block_minmax(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor, block_size: int) -> None:
+    """`block_minmax` of keys into the first blocks of kmin, kmax (any summary dtype)."""
+    lo, hi = block_minmax(keys, block_size)
+    kmin[:lo.shape[0]] = to_summary(lo, kmin.dtype)
+    kmax[:hi.shape[0]] = to_summary(hi, kmax.dtype)
 
 
 def update_block_minmax(kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch.Tensor,
@@ -39,14 +69,20 @@ def update_block_minmax(kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch
     # block whatever the order among duplicates; R is a batch of tokens, so R x R is small.
     same = idx[:, None] == idx[None, :]
     reset = (same & first[None, :]).any(1)[:, None, None]
-    inf = torch.full((), float("inf"), dtype=kmin.dtype, device=kmin.device)  # no H2D copy
-    kmin.index_put_((idx,), torch.where(reset, inf, kmin[idx]))
-    kmax.index_put_((idx,), torch.where(reset, -inf, kmax[idx]))
-    k = keys.to(kmin.dtype)
+    # Reduce in float32 (fp8 has no min on CPU) into each block's first row, then write every
+    # row of the block from it: duplicates write equal values.
+    lead = same.int().argmax(1)[:, None, None]
+    k = to_summary(keys, kmin.dtype).float()
     v = valid[:, None, None]
-    at = idx[:, None, None].expand_as(k)
-    kmin.scatter_reduce_(0, at, torch.where(v, k, inf), "amin", include_self=True)
-    kmax.scatter_reduce_(0, at, torch.where(v, k, -inf), "amax", include_self=True)
+    inf = torch.full((), float("inf"), device=kmin.device)  # no H2D copy
+    lo = torch.where(reset, inf, kmin[idx].float())
+    hi = torch.where(reset, -inf, kmax[idx].float())
+    at = lead.expand_as(k)
+    lo.scatter_reduce_(0, at, torch.where(v, k, inf), "amin", include_self=True)
+    hi.scatter_reduce_(0, at, torch.where(v, k, -inf), "amax", include_self=True)
+    at = lead[:, 0, 0]
+    kmin.index_put_((idx,), to_summary(lo[at], kmin.dtype))
+    kmax.index_put_((idx,), to_summary(hi[at], kmax.dtype))
 
 
 try:
@@ -78,7 +114,7 @@ def fold_keys_(kmin: torch.Tensor, kmax: torch.Tensor, block_ids: torch.Tensor, 
                                     rows_from if copy else keys, rows_to if copy else keys,
                                     rows_from.stride(0) if copy else 0,
                                     HD=H * D, HDP=triton.next_power_of_2(H * D), COPY=copy, N=n,
-                                    NP=triton.next_power_of_2(n), num_warps=4)
+                                    NP=triton.next_power_of_2(n), FP8=kmin.dtype == FP8, num_warps=4)
         return
     update_block_minmax(kmin, kmax, block_ids, keys, first_in_block)
     if copy:
@@ -90,7 +126,7 @@ if triton is not None:
     @triton.jit
     def _fold_keys_kernel(kmin_ptr, kmax_ptr, block_ptr, key_ptr, first_ptr, stride_key,
                           from_ptr, to_ptr, stride_from, HD: tl.constexpr, HDP: tl.constexpr,
-                          COPY: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+                          COPY: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, FP8: tl.constexpr):
         r = tl.program_id(0)
         if COPY:
             j = tl.arange(0, NP)
@@ -104,7 +140,13 @@ if triton is not None:
             lo = tl.load(kmin_ptr + b * HD + i, mask=m)
             hi = tl.load(kmax_ptr + b * HD + i, mask=m)
             first = tl.load(first_ptr + r) != 0
-            lo = tl.where(first, k, tl.minimum(lo, k.to(lo.dtype)))
-            hi = tl.where(first, k, tl.maximum(hi, k.to(hi.dtype)))
-            tl.store(kmin_ptr + b * HD + i, lo, mask=m)
-            tl.store(kmax_ptr + b * HD + i, hi, mask=m)
+            if FP8:  # saturate, as `to_summary`: e4m3 has no inf; compare in float32
+                k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0).to(lo.dtype).to(tl.float32)
+                lo = lo.to(tl.float32)
+                hi = hi.to(tl.float32)
+            else:
+                k = k.to(lo.dtype)
+            lo = tl.where(first, k, tl.minimum(lo, k))
+            hi = tl.where(first, k, tl.maximum(hi, k))
+            tl.store(kmin_ptr + b * HD + i, lo.to(kmin_ptr.dtype.element_ty), mask=m)
+            tl.store(kmax_ptr + b * HD + i, hi.to(kmax_ptr.dtype.element_ty), mask=m)
