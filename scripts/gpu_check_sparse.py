@@ -231,7 +231,7 @@ def bench(fn, graph=True):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
 
 
-def run_timings(R=16, max_blocks=2048, k=128):
+def run_timings(R=16, max_blocks=2048, k=128, sweep=True):
     q, kmin, kmax, off, nb = score_inputs(R, max_blocks, torch.bfloat16)
     nb.fill_(max_blocks)  # every sequence full: the bytes are exactly R * Hkv * M * 2 * D * 2
     nbytes = R * HKV * max_blocks * 2 * D * kmin.element_size()
@@ -243,7 +243,8 @@ def run_timings(R=16, max_blocks=2048, k=128):
     rows = []
     # The bounds kernel across its tiling (the library's default: 64-block tiles, 8 a program,
     # 3 stages, 4 warps), then the scoring paths at the default.
-    for tile, tpp, stages, warps in itertools.product((64, 128), (1, 2, 4, 8), (1, 2, 3), (4, 8)):
+    tilings = itertools.product((64, 128), (1, 2, 4, 8), (1, 2, 3), (4, 8)) if sweep else [(64, 8, 3, 4)]
+    for tile, tpp, stages, warps in tilings:
         cfg = dict(block_tile=tile, tiles_per_program=tpp, stages=stages, num_warps=warps)
         rows.append((f"bounds t{tile} x{tpp} s{stages} w{warps}", bench(lambda: head_bounds_triton(
             q, kmin, kmax, off, nb, G, max_blocks, out=bounds, **cfg)), cfg))
@@ -303,6 +304,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="checks only, no timing")
     ap.add_argument("--cpu-smoke", action="store_true", help="dry run at tiny shapes on CPU")
+    ap.add_argument("--no-sweep", action="store_true", help="time the bounds kernel at its default tiling only")
     opts = ap.parse_args()
     if opts.cpu_smoke:
         cpu_smoke()
@@ -321,7 +323,7 @@ def main():
     n_fail = sum(not c["ok"] for c in results["checks"])
     try:
         if not (opts.quick or opts.cpu_smoke):
-            run_timings()
+            run_timings(sweep=not opts.no_sweep)
     finally:
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "sparse.json"), "w") as f:

@@ -208,8 +208,9 @@ if triton is not None:
         four [BB, D] x [D, GP] products (the G heads padded to GP columns) whose products are
         exact and whose sums run in float32: the float32 bounds up to summation order. (A
         float32 kernel summing across threads ran at 48% of the H200's bandwidth, this one at
-        70%: docs/benchmarks.md.) fp8 summaries are widened to the query's dtype in registers
-        (exactly), so the products stay exact."""
+        70%: docs/benchmarks.md.) fp8 summaries are widened in registers to float16 (one
+        instruction per pair, where bf16 takes a detour through float32), and a bf16 query is
+        exact in float16 short of its range, which is clamped: the products stay exact."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         first = tl.program_id(2) * TILES
@@ -222,7 +223,12 @@ if triton is not None:
         qm = (d[:, None] < D) & (gi[None, :] < G)
         q = tl.load(q_ptr + r * stride_qr + (h * G + gi[None, :]) * stride_qh + d[:, None], mask=qm,
                     other=0.0)  # [DP, GP]
-        cdt = q_ptr.dtype.element_ty if FP8 else kmax_ptr.dtype.element_ty  # the products' dtype
+        if FP8:  # the products' dtype: float16, or float32 for a float32 query
+            cdt = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else tl.float16
+            if cdt == tl.float16:
+                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+        else:
+            cdt = kmax_ptr.dtype.element_ty
         pos = tl.maximum(q, 0.0).to(cdt)
         neg = tl.minimum(q, 0.0).to(cdt)
         qh = h * G + gi
