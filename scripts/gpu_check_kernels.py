@@ -170,7 +170,6 @@ def main():
     for ctx in (1024, 16384, 32768):
         guarded(check_decode, 16, HKV, 4, 1, ctx, torch.bfloat16, big=True)
     guarded(check_decode, 16, HKV, 4, 2, 16384, torch.float16, big=True)
-    guarded(check_decode, 16, HKV, 4, 2, 16384, torch.bfloat16, big=True, fused_merge=False)
     guarded(check_graph_replay)
     n_fail = sum(not c["ok"] for c in results["checks"])
 
@@ -232,15 +231,6 @@ def run_timings(props, sweep):
     r = row(16, 32768, "auto", us, nbytes, {"Q": 2})
     results["table"].append(r)
     print(f"Q=2 (token + draft), B=16, ctx=32768: {r['us']} us, {r['GB_s']} GB/s, {r['frac_peak']:.1%}")
-    # The merge in the split kernel's last program against a second launch, at the dense
-    # 32K shape and at a sparse working set's (1 + 128 + 4 blocks = 2128 tokens).
-    for ctx in (32768, 2128):
-        for fused in (False, True):
-            us, nbytes = time_decode(pool, 16, ctx, dict(best, fused_merge=fused), Q=2)
-            r = row(16, ctx, "auto", us, nbytes, {"Q": 2, "fused_merge": fused})
-            results["table"].append(r)
-            print(f"Q=2, B=16, ctx={ctx}, merge {'fused' if fused else 'second launch'}: {r['us']} us, "
-                  f"{r['frac_peak']:.1%}")
 
 
 if __name__ == "__main__":

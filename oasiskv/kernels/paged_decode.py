@@ -102,16 +102,11 @@ if triton is not None:
             skv_slot, skv_kv, skv_tok,
             sst_b, sst_h, sl_b, sl_h,
             qk_scale, num_splits,
-            kn_ptr, vn_ptr, out_ptr, count_ptr,
-            skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
             G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
             M: tl.constexpr, TILE_BLKS: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            FUSED: tl.constexpr, MS: tl.constexpr, SC: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         """One program: (sequence b, kv head h, split s) over a contiguous range of its slots.
-        Rows are the group's G query heads x Q tokens (row r = g * Q + i), padded to M.
-        FUSED: the last of a (b, h)'s programs to finish (a counter, reset by that program for
-        the next launch) also merges them, instead of a second launch."""
+        Rows are the group's G query heads x Q tokens (row r = g * Q + i), padded to M."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -167,28 +162,22 @@ if triton is not None:
         tl.store(pm_ptr + part * M + rows, m_i, mask=row_ok)
         tl.store(pl_ptr + part * M + rows, l_i, mask=row_ok)
         tl.store(pacc_ptr + (part * M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
-        if FUSED:
-            # acq_rel: this program's partials are visible before its count, and the last
-            # program sees every other program's partials after reading the count.
-            arrived = tl.atomic_add(count_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel")
-            if arrived == num_splits - 1:
-                tl.store(count_ptr + b * tl.num_programs(1) + h, 0)
-                _merge_splits(q_ptr, kn_ptr, vn_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, b, h, n,
-                              tl.num_programs(1), sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h,
-                              so_b, so_q, so_h, qk_scale, num_splits, G, Q, D, BS, M, MS, SC, TILE_BLKS)
 
     @triton.jit
-    def _merge_splits(q_ptr, kn_ptr, vn_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, b, h, n, num_heads,
-                      sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
-                      qk_scale, num_splits,
-                      G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      M: tl.constexpr, MS: tl.constexpr, SC: tl.constexpr, TILE_BLKS: tl.constexpr):
-        """(sequence b, kv head h): merge the valid splits' (m, l, acc), then attend the Q new
-        tokens (causal: query i sees new tokens 0..i) and normalise. Partials are read past
-        L1 (.cg): in the fused form other programs of the same launch wrote them."""
+    def _decode_merge_kernel(
+            q_ptr, kn_ptr, vn_ptr, len_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr,
+            sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
+            sl_b, sl_h, qk_scale, num_splits,
+            G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+            M: tl.constexpr, MS: tl.constexpr, SC: tl.constexpr, TILE_BLKS: tl.constexpr):
+        """One program per (sequence, kv head): merge the valid splits' (m, l, acc), then
+        attend the Q new tokens (causal: query i sees new tokens 0..i) and normalise."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        n = tl.load(len_ptr + b * sl_b + h * sl_h)
         nblk = tl.cdiv(n, BS)
         per_split = tl.cdiv(tl.cdiv(nblk, num_splits), TILE_BLKS) * TILE_BLKS
-        n_valid = tl.cdiv(nblk, tl.maximum(per_split, 1))  # same split ranges as the split kernel
+        n_valid = tl.cdiv(nblk, tl.maximum(per_split, 1))  # same split ranges as the first kernel
 
         rows = tl.arange(0, MS)  # MS: rows padded to a power of two only (no tl.dot here)
         row_ok = rows < G * Q
@@ -196,17 +185,17 @@ if triton is not None:
         m_c = tl.full([MS], float("-inf"), tl.float32)
         l_c = tl.zeros([MS], tl.float32)
         acc = tl.zeros([MS, D], tl.float32)
-        part0 = (b * num_heads + h) * num_splits
+        part0 = (b * tl.num_programs(1) + h) * num_splits
         # SC splits per iteration, so their loads are in flight together (one memory latency
         # per SC splits, not per split).
         sc = tl.arange(0, SC)
         for s0 in range(0, n_valid, SC):
             ok = ((s0 + sc) < n_valid)[:, None] & row_ok[None, :]  # [SC, MS]
             off = (part0 + s0 + sc)[:, None] * M + rows[None, :]
-            m_s = tl.load(pm_ptr + off, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(pl_ptr + off, mask=ok, other=0.0, cache_modifier=".cg")
+            m_s = tl.load(pm_ptr + off, mask=ok, other=float("-inf"))
+            l_s = tl.load(pl_ptr + off, mask=ok, other=0.0)
             a_s = tl.load(pacc_ptr + off[:, :, None] * D + d[None, None, :], mask=ok[:, :, None],
-                          other=0.0, cache_modifier=".cg")
+                          other=0.0)
             m_new = tl.maximum(m_c, tl.max(m_s, 0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows: avoid inf - inf
             alpha = tl.exp2(m_c - m_ref)
@@ -237,38 +226,6 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + i[:, None] * so_q + (h * G + g)[:, None] * so_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
-    @triton.jit
-    def _decode_merge_kernel(
-            q_ptr, kn_ptr, vn_ptr, len_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr,
-            sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
-            sl_b, sl_h, qk_scale, num_splits,
-            G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-            M: tl.constexpr, MS: tl.constexpr, SC: tl.constexpr, TILE_BLKS: tl.constexpr):
-        """One program per (sequence, kv head): `_merge_splits` (the unfused form)."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        n = tl.load(len_ptr + b * sl_b + h * sl_h)
-        _merge_splits(q_ptr, kn_ptr, vn_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, b, h, n, tl.num_programs(1),
-                      sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
-                      qk_scale, num_splits, G, Q, D, BS, M, MS, SC, TILE_BLKS)
-
-
-MAX_FUSED_PAIRS = 1 << 16  # (sequence, kv head) pairs the arrival counters cover
-_arrival_counters: dict = {}
-
-
-def arrival_counters(device: torch.device, pairs: int) -> torch.Tensor | None:
-    """Zeroed int32 counters for the fused merge, one per (sequence, kv head), shared by every
-    launch on the device: each launch leaves them at zero. None (use the unfused merge) when
-    they would first be made inside a graph capture, whose allocations are not zeroed until
-    a replay, or when there are too many pairs."""
-    buf = _arrival_counters.get(device)
-    if buf is None:
-        if pairs > MAX_FUSED_PAIRS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
-        buf = _arrival_counters[device] = torch.zeros(MAX_FUSED_PAIRS, dtype=torch.int32, device=device)
-    return buf if pairs <= MAX_FUSED_PAIRS else None
-
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
@@ -292,12 +249,10 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
                         scale: float, num_splits: int | None = None, tile_blocks: int = 8,
                         num_warps: int = 4, num_stages: int = 3,
-                        out: torch.Tensor | None = None, fused_merge: bool = True) -> torch.Tensor:
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K flash decoding; same contract as `paged_decode_ref`. CUDA-graph capturable:
     launch sizes come from tensor shapes only, the valid lengths are read on device.
     `out` (optional, shaped like q) receives the result, e.g. a graph's static buffer.
-    fused_merge: the last split of each (sequence, kv head) merges, in the same launch (a
-    second launch cost ~6.7 µs a layer inside a graph on the H200, most of it launch latency).
     Defaults (8 blocks = 128 tokens a tile, 4 warps, 3 stages) were the fastest of a sweep
     at B=16, 32K context on an H200: 511 us, 99% of the 4.25 TB/s copy rate on the KV bytes."""
     B, Q, Hq, D = q.shape
@@ -321,24 +276,18 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     pm = torch.empty(B, Hkv, num_splits, M, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(B, Hkv, num_splits, M, D, device=q.device, dtype=torch.float32)
-    if out is None:
-        out = torch.empty_like(q)
-    # Splits merged per iteration: all in flight at once, within ~32 fp32 registers a thread.
-    merge_chunk = min(triton.next_power_of_2(num_splits), max(1, 4096 // (MS * D)))
-    counters = arrival_counters(q.device, B * Hkv) if fused_merge else None
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, kv_cache, slot_tables, cache_lens, pm, pl, pacc,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         slot_tables.stride(0), slot_tables.stride(1), cache_lens.stride(0), cache_lens.stride(1),
         qk_scale, num_splits,
-        k_new, v_new, out, counters if counters is not None else pm,
-        k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
         G=G, Q=Q, D=D, BS=bs, M=M, TILE_BLKS=tile_blocks, UPCAST=upcast, PRECISION=precision,
-        FUSED=counters is not None, MS=MS, SC=merge_chunk, num_warps=num_warps, num_stages=num_stages)
-    if counters is not None:
-        return out
+        num_warps=num_warps, num_stages=num_stages)
+    if out is None:
+        out = torch.empty_like(q)
+    # Splits merged per iteration: all in flight at once, within ~32 fp32 registers a thread.
+    merge_chunk = min(triton.next_power_of_2(num_splits), max(1, 4096 // (MS * D)))
     _decode_merge_kernel[(B, Hkv)](
         q, k_new, v_new, cache_lens, pm, pl, pacc, out,
         q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
