@@ -45,6 +45,8 @@ dynamic blocks only (and the shift is the best *dynamic* block's bound).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -54,6 +56,7 @@ except ImportError:  # CPU-only installs use the torch path
     triton = None
 
 NEG_INF = float("-inf")
+BOUNDS_VARIANT = "four"  # four | stacked | fp8_mma (experiment: which bounds kernel)
 COMBINES = ("shifted_max", "sum")  # how the G per-head scores of a kv group make one score
 RANGE_WEIGHT = 0.5  # α: weight of the box's half-range; 1 = the Quest upper bound
 
@@ -252,6 +255,80 @@ if triton is not None:
                      mask=(gi < G) & (t < num_tiles))
 
     @triton.jit
+    def _bounds_stacked_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
+                               stride_qr, stride_qh, stride_kb, stride_kh,
+                               stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
+                               wide, narrow, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
+                               D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
+                               STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
+                               FP8: tl.constexpr, FP8_MMA: tl.constexpr, UPCAST: tl.constexpr):
+        """`_bounds_kernel` with the query's parts stacked as the columns of one matrix, so each
+        summary tile takes one product, not two: columns [q⁺ | q⁻] (G each, padded to GP), or
+        for FP8_MMA [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂], each part split into two fp8 numbers (q ≈ q₁ + q₂,
+        ~2⁻⁸ relative), so fp8 summaries go to the tensor cores as they are loaded."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        first = tl.program_id(2) * TILES
+        d = tl.arange(0, DP)
+        c = tl.arange(0, NC)
+        part = c // GP
+        cg = c % GP
+        gi = tl.arange(0, GP)
+        start = tl.load(off_ptr + r).to(tl.int64)
+        end = tl.load(nb_ptr + r)
+        if HAS_WS:
+            end = tl.minimum(end, tl.load(ws_ptr + r))
+        NPART: tl.constexpr = 4 if FP8_MMA else 2
+        qm = (d[:, None] < D) & ((cg < G) & (part < NPART))[None, :]
+        q = tl.load(q_ptr + r * stride_qr + (h * G + cg[None, :]) * stride_qh + d[:, None], mask=qm,
+                    other=0.0).to(tl.float32)  # [DP, NC]: each column its head's query
+        if FP8_MMA:
+            pos = tl.minimum(tl.maximum(q, 0.0), 448.0)
+            neg = tl.maximum(tl.minimum(q, 0.0), -448.0)
+            p1 = pos.to(tl.float8e4nv).to(tl.float32)
+            n1 = neg.to(tl.float8e4nv).to(tl.float32)
+            p2 = (pos - p1).to(tl.float8e4nv).to(tl.float32)
+            n2 = (neg - n1).to(tl.float8e4nv).to(tl.float32)
+            w = tl.where(part[None, :] == 0, p1, tl.where(part[None, :] == 1, p2,
+                                                          tl.where(part[None, :] == 2, n1, n2)))
+            cdt = tl.float8e4nv
+        elif FP8:
+            cdt = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else tl.float16
+            q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
+            w = tl.where(part[None, :] == 0, tl.maximum(q, 0.0), tl.minimum(q, 0.0))
+        else:
+            cdt = kmax_ptr.dtype.element_ty
+            w = tl.where(part[None, :] == 0, tl.maximum(q, 0.0), tl.minimum(q, 0.0))
+        w = tl.where(qm, w, 0.0).to(cdt)
+        if UPCAST:  # the interpreter has no fp8 products: the same exact values in float32
+            w = w.to(tl.float32)
+        pj = tl.arange(0, NC // GP)[None, :, None]
+        is_pos = pj < NPART // 2
+        is_neg = (pj >= NPART // 2) & (pj < NPART)
+        qh = h * G + gi
+        for i in tl.range(0, TILES, num_stages=STAGES):
+            t = first + i
+            b = t * BB + tl.arange(0, BB)
+            keep = (b >= num_sink) & (b < end)
+            ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
+            m = keep[:, None] & (d[None, :] < D)
+            hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(cdt)
+            lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(cdt)
+            if UPCAST:
+                hi = hi.to(tl.float32)
+                lo = lo.to(tl.float32)
+            xh = tl.reshape(tl.dot(hi, w, input_precision=PRECISION), [BB, NC // GP, GP])
+            xl = tl.reshape(tl.dot(lo, w, input_precision=PRECISION), [BB, NC // GP, GP])
+            x = tl.sum(tl.where(is_pos, xh, 0.0) + tl.where(is_neg, xl, 0.0), axis=1)  # q⁺·kmax + q⁻·kmin
+            y = tl.sum(tl.where(is_neg, xh, 0.0) + tl.where(is_pos, xl, 0.0), axis=1)  # q⁻·kmax + q⁺·kmin
+            u = wide * x + narrow * y  # [BB, GP]
+            u = tl.where(keep[:, None], u, float("-inf"))
+            tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
+                     mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
+            tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0),
+                     mask=(gi < G) & (t < num_tiles))
+
+    @triton.jit
     def _combine_kernel(u_ptr, tmax_ptr, out_ptr, stride_ur, stride_uh, stride_tr, stride_th,
                         stride_or, stride_oh, max_blocks, num_tiles,
                         G: tl.constexpr, BB: tl.constexpr, TP: tl.constexpr, SUM: tl.constexpr):
@@ -285,7 +362,7 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
                        range_weight: float = RANGE_WEIGHT, tiles_per_program: int = 8,
-                       stages: int = 3) -> torch.Tensor:
+                       stages: int = 3, variant: str | None = None) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, tile groups); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
@@ -304,7 +381,20 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
     fp8 = kmin.dtype == torch.float8_e4m3fn
-    if R and max_blocks:
+    variant = variant or BOUNDS_VARIANT
+    if R and max_blocks and variant != "four":
+        GP = triton.next_power_of_2(G)
+        mma = variant == "fp8_mma" and fp8
+        _bounds_stacked_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
+            q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
+            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
+            out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
+            max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
+            G=G, GP=GP, NC=max(16, (4 if mma else 2) * GP), D=D, DP=max(32, triton.next_power_of_2(D)),
+            BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
+            PRECISION="ieee" if (q.dtype if fp8 else kmin.dtype) == torch.float32 else "tf32", FP8=fp8,
+            FP8_MMA=mma, UPCAST=mma and os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=num_warps)
+    elif R and max_blocks:
         _bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
