@@ -107,14 +107,15 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
     g = shape.get("g", G)
     name = (f"{str(dtype)[6:]}{' fp8-summaries' if shape.get('fp8') else ''} R{R} M{max_blocks} k{k} "
             f"{ {k: v for k, v in shape.items() if k != 'fp8'} or ''}{' sink+window' if window else ''}")
-    shape.pop("fp8", None)
+    # fp8: the kernel splits the query into two e4m3 parts (~2^-8 relative), not exact products
+    tol, tie = (1e-2, 1e-2) if shape.pop("fp8", False) else (1e-5, 1e-4)
     u = torch.full((R, q.shape[1], max_blocks), float("nan"), device=q.device)
     head_bounds_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile, out=u, **kw)
     ref_u = head_bounds_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
     written = not u.isnan().any().item()
     scale = ref_u[torch.isfinite(ref_u)].abs().max().item()
     err, same_inf = score_err(torch.where(u.isnan(), 0.0, u), ref_u, scale)
-    record(f"bounds {name}", err < 1e-5 and same_inf and written,
+    record(f"bounds {name}", err < tol and same_inf and written,
            rel_err=f"{err:.1e}", inf_pattern=same_inf, written=written)
     for combine in COMBINES:
         out = score_blocks_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile,
@@ -123,15 +124,15 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
         err, same_inf = score_err(out, ref, scale)
         ids, _ = score_topk_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile,
                                    combine=combine, **kw)
-        bad = topk_mismatches(ids, ref, k)
-        record(f"scores {combine} {name}", err < 1e-5 and same_inf and bad == 0,
+        bad = topk_mismatches(ids, ref, k, tie)
+        record(f"scores {combine} {name}", err < tol and same_inf and bad == 0,
                rel_err=f"{err:.1e}", inf_pattern=same_inf, topk_rows_differ=bad)
     # The pipeline's fused combine + select: the same set as top-K, each id with its score.
     ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
     ids, vals = score_select_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile, **kw)
-    bad = topk_mismatches(ids, ref, k)
+    bad = topk_mismatches(ids, ref, k, tie)
     paired = torch.where(ids >= 0, ref.gather(2, ids.long().clamp_min(0)), vals)
-    vals_ok = bool(torch.allclose(paired, vals, rtol=1e-5, atol=1e-5 * scale)) and bool(
+    vals_ok = bool(torch.allclose(paired, vals, rtol=1e-5, atol=tol * scale)) and bool(
         ((ids < 0) == (vals == float("-inf"))).all())
     record(f"select {name}", bad == 0 and vals_ok, topk_rows_differ=bad, vals_match_scores=vals_ok)
 

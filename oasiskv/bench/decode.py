@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import time
 
 import torch
@@ -368,13 +367,9 @@ def run_decode_bench(args) -> int:
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
                                 for tiling in args.bounds_tiling.split(","):
                                     for summary in (args.summary_dtypes or args.summary_dtype).split(","):
-                                        for variant in os.environ.get("OASISKV_BOUNDS_VARIANTS", "four").split(","):
-                                            from oasiskv.sparse import block_scores
-                                            block_scores.BOUNDS_VARIANT = variant
-                                            run = bench.run_sparse(batch, context, transfer_programs=programs,
-                                                                   transfer_backend=backend, bounds_tiling=tiling,
-                                                                   summary_dtype=summary)
-                                            record(dict(run, bounds_variant=variant))
+                                        record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                                transfer_backend=backend, bounds_tiling=tiling,
+                                                                summary_dtype=summary))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -438,7 +433,7 @@ def print_row(r: dict) -> None:
           f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
           f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
           f"{'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
-          f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} {r.get('bounds_variant', '')} "
+          f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} "
           f"{'items ' + str(r.get('transfer_items')) if sp else ''}", flush=True)
 
 

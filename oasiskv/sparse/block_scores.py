@@ -56,7 +56,6 @@ except ImportError:  # CPU-only installs use the torch path
     triton = None
 
 NEG_INF = float("-inf")
-BOUNDS_VARIANT = "four"  # four | stacked | fp8_mma (experiment: which bounds kernel)
 COMBINES = ("shifted_max", "sum")  # how the G per-head scores of a kv group make one score
 RANGE_WEIGHT = 0.5  # α: weight of the box's half-range; 1 = the Quest upper bound
 
@@ -198,74 +197,25 @@ if triton is not None:
     def _bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
                        stride_qr, stride_qh, stride_kb, stride_kh,
                        stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
-                       wide, narrow, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                       DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-                       HAS_WS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                       wide, narrow, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
+                       D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
+                       STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
+                       FP8: tl.constexpr, UPCAST: tl.constexpr):
         """One program: (sequence r, kv head h, TILES consecutive tiles of BB blocks), each
         tile's summaries loaded once for all G query heads of the group, the next tiles' loads in
         flight while one is summed (STAGES-deep software pipelining). The sums over D run on the
-        tensor cores in the summaries' own dtype. The box weights
-        a = wide·q⁺ + narrow·q⁻ are not exact in bf16, but q⁺ = max(q, 0) and q⁻ = min(q, 0)
-        are, so u = wide·X + narrow·Y with
-            X = q⁺·kmax + q⁻·kmin,   Y = q⁻·kmax + q⁺·kmin,
-        four [BB, D] x [D, GP] products (the G heads padded to GP columns) whose products are
-        exact and whose sums run in float32: the float32 bounds up to summation order. (A
-        float32 kernel summing across threads ran at 48% of the H200's bandwidth, this one at
-        70%: docs/benchmarks.md.) fp8 summaries are widened in registers to float16 (one
-        instruction per pair, where bf16 takes a detour through float32), and a bf16 query is
-        exact in float16 short of its range, which is clamped: the products stay exact."""
-        r = tl.program_id(0)
-        h = tl.program_id(1)
-        first = tl.program_id(2) * TILES
-        d = tl.arange(0, DP)
-        gi = tl.arange(0, GP)
-        start = tl.load(off_ptr + r).to(tl.int64)
-        end = tl.load(nb_ptr + r)
-        if HAS_WS:
-            end = tl.minimum(end, tl.load(ws_ptr + r))
-        qm = (d[:, None] < D) & (gi[None, :] < G)
-        q = tl.load(q_ptr + r * stride_qr + (h * G + gi[None, :]) * stride_qh + d[:, None], mask=qm,
-                    other=0.0)  # [DP, GP]
-        if FP8:  # the products' dtype: float16, or float32 for a float32 query
-            cdt = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else tl.float16
-            if cdt == tl.float16:
-                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
-        else:
-            cdt = kmax_ptr.dtype.element_ty
-        pos = tl.maximum(q, 0.0).to(cdt)
-        neg = tl.minimum(q, 0.0).to(cdt)
-        qh = h * G + gi
-        for i in tl.range(0, TILES, num_stages=STAGES):
-            t = first + i
-            b = t * BB + tl.arange(0, BB)
-            keep = (b >= num_sink) & (b < end)
-            ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
-            m = keep[:, None] & (d[None, :] < D)
-            hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(cdt)
-            lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(cdt)
-            x = tl.dot(hi, pos, input_precision=PRECISION)
-            x = tl.dot(lo, neg, x, input_precision=PRECISION)
-            y = tl.dot(hi, neg, input_precision=PRECISION)
-            y = tl.dot(lo, pos, y, input_precision=PRECISION)
-            u = wide * x + narrow * y  # [BB, GP]
-            u = tl.where(keep[:, None], u, float("-inf"))
-            tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
-                     mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
-            tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0),
-                     mask=(gi < G) & (t < num_tiles))
+        tensor cores in the summaries' own dtype. The box weights a = wide·q⁺ + narrow·q⁻ are not
+        exact in bf16, but q⁺ = max(q, 0) and q⁻ = min(q, 0) are, so u = wide·X + narrow·Y with
+            X = q⁺·kmax + q⁻·kmin,   Y = q⁻·kmax + q⁺·kmin.
+        q⁺ and q⁻ of the G heads are stacked as the columns of one [D, NC] matrix [q⁺ | q⁻]
+        (each G wide, padded to GP), so each summary tile takes one product per summary,
+        whose products are exact and whose sums run in float32: the float32 bounds up to
+        summation order.
 
-    @triton.jit
-    def _bounds_stacked_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                               stride_qr, stride_qh, stride_kb, stride_kh,
-                               stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
-                               wide, narrow, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
-                               D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
-                               STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
-                               FP8: tl.constexpr, FP8_MMA: tl.constexpr, UPCAST: tl.constexpr):
-        """`_bounds_kernel` with the query's parts stacked as the columns of one matrix, so each
-        summary tile takes one product, not two: columns [q⁺ | q⁻] (G each, padded to GP), or
-        for FP8_MMA [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂], each part split into two fp8 numbers (q ≈ q₁ + q₂,
-        ~2⁻⁸ relative), so fp8 summaries go to the tensor cores as they are loaded."""
+        fp8 summaries (FP8) go to the tensor cores as loaded, in fp8 products: q⁺ and q⁻ are each
+        split into two e4m3 numbers, q ≈ q₁ + q₂ (q₂ the rounding error of q₁, so ~2⁻⁸ relative,
+        a bf16's precision), columns [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂]. Widening the summaries to 16 bits
+        in registers instead ran at half the bandwidth (docs/benchmarks.md)."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         first = tl.program_id(2) * TILES
@@ -278,11 +228,11 @@ if triton is not None:
         end = tl.load(nb_ptr + r)
         if HAS_WS:
             end = tl.minimum(end, tl.load(ws_ptr + r))
-        NPART: tl.constexpr = 4 if FP8_MMA else 2
+        NPART: tl.constexpr = 4 if FP8 else 2
         qm = (d[:, None] < D) & ((cg < G) & (part < NPART))[None, :]
         q = tl.load(q_ptr + r * stride_qr + (h * G + cg[None, :]) * stride_qh + d[:, None], mask=qm,
                     other=0.0).to(tl.float32)  # [DP, NC]: each column its head's query
-        if FP8_MMA:
+        if FP8:
             pos = tl.minimum(tl.maximum(q, 0.0), 448.0)
             neg = tl.maximum(tl.minimum(q, 0.0), -448.0)
             p1 = pos.to(tl.float8e4nv).to(tl.float32)
@@ -292,10 +242,6 @@ if triton is not None:
             w = tl.where(part[None, :] == 0, p1, tl.where(part[None, :] == 1, p2,
                                                           tl.where(part[None, :] == 2, n1, n2)))
             cdt = tl.float8e4nv
-        elif FP8:
-            cdt = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else tl.float16
-            q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
-            w = tl.where(part[None, :] == 0, tl.maximum(q, 0.0), tl.minimum(q, 0.0))
         else:
             cdt = kmax_ptr.dtype.element_ty
             w = tl.where(part[None, :] == 0, tl.maximum(q, 0.0), tl.minimum(q, 0.0))
@@ -362,7 +308,7 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
                        range_weight: float = RANGE_WEIGHT, tiles_per_program: int = 8,
-                       stages: int = 3, variant: str | None = None) -> torch.Tensor:
+                       stages: int = 3) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, tile groups); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
@@ -381,29 +327,17 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
     fp8 = kmin.dtype == torch.float8_e4m3fn
-    variant = variant or BOUNDS_VARIANT
-    if R and max_blocks and variant != "four":
+    if R and max_blocks:
         GP = triton.next_power_of_2(G)
-        mma = variant == "fp8_mma" and fp8
-        _bounds_stacked_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
-            q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
-            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
-            out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
-            max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
-            G=G, GP=GP, NC=max(16, (4 if mma else 2) * GP), D=D, DP=max(32, triton.next_power_of_2(D)),
-            BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
-            PRECISION="ieee" if (q.dtype if fp8 else kmin.dtype) == torch.float32 else "tf32", FP8=fp8,
-            FP8_MMA=mma, UPCAST=mma and os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=num_warps)
-    elif R and max_blocks:
         _bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
             max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
-            G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)),
+            G=G, GP=GP, NC=max(16, (4 if fp8 else 2) * GP), D=D, DP=max(32, triton.next_power_of_2(D)),
             BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
-            PRECISION="ieee" if (q.dtype if fp8 else kmin.dtype) == torch.float32 else "tf32", FP8=fp8,
-            num_warps=num_warps)
+            PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", FP8=fp8,
+            UPCAST=fp8 and os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=num_warps)
     return out
 
 
