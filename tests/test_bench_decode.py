@@ -63,13 +63,14 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     recorded per run; --summary-dtypes runs sparse once per summary dtype (fp8: a quarter of
     float32's summary bytes)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
-                    "--transfer-programs", "4:2", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8")
+                    "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8")
     dense, sparse, fp8, predict, select = res["runs"]
     assert (sparse["summary_dtype"], fp8["summary_dtype"]) == ("auto", "fp8")
     assert fp8["summary_bytes_per_step"] * 4 == sparse["summary_bytes_per_step"] and fp8["admitted_per_step"] > 0
     assert [r.get("pipeline_stages") for r in (sparse, predict, select)] == [3, 1, 2]
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
     assert predict["fetched_bytes_per_step"] == 0
-    assert (sparse["transfer_programs"], sparse["transfer_items"], sparse["bounds_tiling"]) == (4, 2, "32:2:2")
+    knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling")
+    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2"]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]

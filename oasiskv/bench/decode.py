@@ -37,7 +37,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--transfer-programs", default="8",
                    help="programs (≈ SMs) of the host->GPU gather kernel, optionally :items each has in flight "
-                        "(default 4); a comma list runs sparse once per value")
+                        "(default 4) and :warps (default 8); a comma list runs sparse once per value")
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
@@ -177,6 +177,8 @@ class DecodeBench:
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
             if items:
                 p.transfer_items = int(items[0])
+            if len(items) > 1:
+                p.transfer_warps = int(items[1])
             p.prefetch = prefetch
             p.stages = stages
             tiling = bounds_tiling or self.args.bounds_tiling.split(",")[0]
@@ -231,6 +233,7 @@ class DecodeBench:
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
                        pipeline_stages=stages,
                        transfer_programs=p.transfer_programs, transfer_items=p.transfer_items,
+                       transfer_warps=p.transfer_warps,
                        transfer_backend=p.transfer_backend,
                        bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
@@ -434,7 +437,7 @@ def print_row(r: dict) -> None:
           f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
           f"{'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
           f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} "
-          f"{'items ' + str(r.get('transfer_items')) if sp else ''}", flush=True)
+          f"{'items ' + str(r.get('transfer_items')) + ' warps ' + str(r.get('transfer_warps')) if sp else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:

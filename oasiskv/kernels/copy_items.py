@@ -57,13 +57,15 @@ def copy_items(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_
 
 
 ITEMS_PER_LOAD = 4  # whole items each program moves per iteration
+NUM_WARPS = 8
 
 
-def _launch(kernel, n: int, num_programs: int, item: int, *args, items_per_load: int = ITEMS_PER_LOAD) -> None:
+def _launch(kernel, n: int, num_programs: int, item: int, *args, items_per_load: int = ITEMS_PER_LOAD,
+            num_warps: int = NUM_WARPS) -> None:
     """Persistent grid of at most `num_programs` programs over n work items."""
     if n:
         kernel[(max(1, min(num_programs, triton.cdiv(n, items_per_load))),)](
-            *args, ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=items_per_load, num_warps=8)
+            *args, ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=items_per_load, num_warps=num_warps)
 
 
 def _copy_items_triton(src, dst, src_idx, dst_idx, num_programs):
@@ -100,7 +102,8 @@ if triton is not None:
 def fetch_admitted(host: torch.Tensor, kv_layer: torch.Tensor, layer: int, admit_blocks: torch.Tensor,
                    admit_slots: torch.Tensor, pages: torch.Tensor, extent_start: torch.Tensor,
                    extent_blocks: torch.Tensor, num_heads: int, num_sink: int,
-                   num_programs: int = DEFAULT_PROGRAMS, items_per_load: int = ITEMS_PER_LOAD) -> None:
+                   num_programs: int = DEFAULT_PROGRAMS, items_per_load: int = ITEMS_PER_LOAD,
+                   num_warps: int = NUM_WARPS) -> None:
     """The transfer stage: every admitted (request, head, block) item host -> its GPU slot.
 
     admit_blocks / admit_slots: [R * num_heads, C] (row r * num_heads + h; -1 unused); the
@@ -111,7 +114,7 @@ def fetch_admitted(host: torch.Tensor, kv_layer: torch.Tensor, layer: int, admit
     if kv_layer.is_cuda and triton is not None:
         _launch(_fetch_kernel, RH * C, num_programs, kv_layer[0].numel(), host, kv_layer, admit_blocks,
                 admit_slots, pages, extent_start, extent_blocks, layer, RH * C, C, num_heads,
-                pages.shape[1], num_sink, items_per_load=items_per_load)
+                pages.shape[1], num_sink, items_per_load=items_per_load, num_warps=num_warps)
         return
     row = torch.arange(RH, device=admit_blocks.device)
     r, h = row // num_heads, row % num_heads

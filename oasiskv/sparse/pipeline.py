@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv.kernels.copy_items import (DEFAULT_PROGRAMS, ITEMS_PER_LOAD, device_view, fetch_admitted,
-                                        write_through)
+from oasiskv.kernels.copy_items import (DEFAULT_PROGRAMS, ITEMS_PER_LOAD, NUM_WARPS, device_view,
+                                        fetch_admitted, write_through)
 from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
@@ -63,6 +63,7 @@ class LookaheadPipeline:
         self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
         self.transfer_programs = transfer_programs
         self.transfer_items = ITEMS_PER_LOAD  # items each transfer program has in flight
+        self.transfer_warps = NUM_WARPS  # warps of each transfer program
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
@@ -314,7 +315,8 @@ class LookaheadPipeline:
         B, H = self.B, self.H
         fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer, :B * H],
                        self.admit_slots[layer, :B * H], self.pages[:B], self.extent_start[:B],
-                       self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items)
+                       self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items,
+                       self.transfer_warps)
 
     def write_through(self) -> None:
         B = self.B
