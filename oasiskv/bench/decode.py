@@ -47,9 +47,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary-dtypes", default=None,
                    help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
                         "the engine's --summary-dtype only)")
-    p.add_argument("--predict-points", default="early",
-                   help="comma list of early / late: predict and select beside each layer's attention, or after "
-                        "it; a list runs sparse once per value")
     p.add_argument("--async-modes", default=None,
                    help="comma list of off / on: run the equal-batch part once per async-scheduling mode, side "
                         "by side (default: the engine's --async-scheduling only)")
@@ -156,7 +153,7 @@ class DecodeBench:
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: str | None = None, prefetch: bool = True, stages: int = 3,
                    transfer_backend: str | None = None, bounds_tiling: str | None = None,
-                   summary_dtype: str | None = None, predict_early: bool = True) -> dict:
+                   summary_dtype: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -184,7 +181,6 @@ class DecodeBench:
                 p.transfer_warps = int(items[1])
             p.prefetch = prefetch
             p.stages = stages
-            p.predict_early = predict_early
             tiling = bounds_tiling or self.args.bounds_tiling.split(",")[0]
             p.bounds_tiling = tuple(int(x) for x in tiling.split(":"))
             if len(p.bounds_tiling) != 3:
@@ -240,7 +236,6 @@ class DecodeBench:
                        transfer_warps=p.transfer_warps,
                        transfer_backend=p.transfer_backend,
                        bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
-                       predict="early" if predict_early else "late",
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -340,8 +335,6 @@ class DecodeBench:
 
 
 def run_decode_bench(args) -> int:
-    if not set(args.predict_points.split(",")) <= {"early", "late"}:
-        raise ValueError(f"--predict-points takes early and/or late, not {args.predict_points!r}")
     bench = DecodeBench(args)
     result = {"model": bench.mc.name, "dtype": str(bench.runner.dtype).removeprefix("torch."),
               "device": torch.cuda.get_device_name() if bench.runner.device.type == "cuda" else "cpu",
@@ -377,11 +370,9 @@ def run_decode_bench(args) -> int:
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
                                 for tiling in args.bounds_tiling.split(","):
                                     for summary in (args.summary_dtypes or args.summary_dtype).split(","):
-                                        for point in args.predict_points.split(","):
-                                            record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                                    transfer_backend=backend, bounds_tiling=tiling,
-                                                                    summary_dtype=summary,
-                                                                    predict_early=point == "early"))
+                                        record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                                transfer_backend=backend, bounds_tiling=tiling,
+                                                                summary_dtype=summary))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -445,7 +436,7 @@ def print_row(r: dict) -> None:
           f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
           f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
           f"{'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
-          f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} {r.get('predict', '')} "
+          f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} "
           f"{'items ' + str(r.get('transfer_items')) + ' warps ' + str(r.get('transfer_warps')) if sp else ''}", flush=True)
 
 

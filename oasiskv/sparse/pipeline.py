@@ -5,11 +5,9 @@ sparse requests of a decode batch, and per layer three stages that run in the ba
     select    capped eviction: which predicted blocks come in, which LRU blocks leave
     transfer  copy the admitted (layer, block, head) items host -> their GPU slots
 
-Once layer l's new key is stored the foreground records an event and goes on with the layer's
-attention; the predict stream waits on that event, the select stream on predict's, so both run
-beside the attention (they read only summaries and the draft query). The transfer stream waits
-on select's event and on the end of the layer's attention, since it overwrites the slots of
-evicted blocks that the attention still reads. Every stage is GPU tensor work with fixed shapes (no host sync, no Python loop
+After layer l's attention the foreground records an event and moves on to layer l+1; the
+predict stream waits on that event, the select stream on predict's, the transfer stream on
+select's. Every stage is GPU tensor work with fixed shapes (no host sync, no Python loop
 over blocks), so the whole step, foreground and pipeline, is captured in one CUDA graph;
 the streams join the foreground at the end of the step, and how long the foreground waits
 there is the pipeline stall.
@@ -111,7 +109,6 @@ class LookaheadPipeline:
         self.timing = None  # PipelineTiming when step timing is on
         self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
         self.stages = 3  # < 3: only the first stages run (predict; predict + select): benchmarks only
-        self.predict_early = True  # predict + select beside the layer's attention, not after it
 
     # ---- rows ----------------------------------------------------------------------
     def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
@@ -232,46 +229,27 @@ class LookaheadPipeline:
         return tables, lens, write_slots, partial.int()
 
     # ---- hooks called by the attention layer ----------------------------------------
-    def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
-        """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft). The
-        summaries take the new key, and (predict_early) predict and select start here, beside
-        this layer's attention: they read only the summaries and the draft query, and change no
-        slot the attention reads (selection plans evictions; the transfer that overwrites a
-        victim's slot waits for the attention, in `after_attention`)."""
+    def before_attention(self, layer: int, q, k, meta) -> None:
+        pass
+
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
+        """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft)."""
         R = self.B
         key = k.view(R, 2, self.H, self.D)[:, 0]
         # The draft query is copied out in the summary fold's launch: the stages read it later,
         # from another stream, after the foreground has moved on.
         draft = q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0] if self.prefetch else None
         self.update_summaries(layer, key, draft)
-        if self.prefetch and self.predict_early:
-            self._predict_select(layer)
-
-    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
         if not self.prefetch:
             return
-        if not self.predict_early:
-            self._predict_select(layer)
-        if not self.background:
-            if self.stages >= 3:
-                self.transfer(layer)
-            return
-        transfer = self.streams[2]
-        transfer.wait_stream(self.streams[1])
-        transfer.wait_stream(torch.cuda.current_stream(self.device))  # the attention has read its slots
-        with torch.cuda.stream(transfer):
-            if self.stages >= 3:
-                self.transfer(layer)
-            if self.timing is not None:
-                self.timing.layer_done[layer].record()
-
-    def _predict_select(self, layer: int) -> None:
         if not self.background:
             self.predict(layer)
             if self.stages >= 2:
                 self.select(layer)
+            if self.stages >= 3:
+                self.transfer(layer)
             return
-        predict, select, _ = self.streams
+        predict, select, transfer = self.streams
         predict.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(predict):
             self.predict(layer)
@@ -279,6 +257,12 @@ class LookaheadPipeline:
         with torch.cuda.stream(select):
             if self.stages >= 2:
                 self.select(layer)
+        transfer.wait_stream(select)
+        with torch.cuda.stream(transfer):
+            if self.stages >= 3:
+                self.transfer(layer)
+            if self.timing is not None:
+                self.timing.layer_done[layer].record()
 
     def join(self) -> None:
         """End of the step: a block this step completed goes to the host (write-through, so
