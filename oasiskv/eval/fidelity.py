@@ -111,7 +111,7 @@ def run_fidelity(args) -> int:
                "sparse": {"top_k_blocks": cfg.top_k_blocks, "sink_blocks": cfg.sink_blocks,
                           "window_blocks": cfg.window_blocks, "fetch_ratio": cfg.fetch_ratio,
                           "fetch_cap": cfg.sparse_config().fetch_cap, "drafter": cfg.drafter,
-                          "sparse_threshold": cfg.sparse_threshold}} | res
+                          "sparse_threshold": cfg.sparse_threshold, "summary_dtype": cfg.summary_dtype}} | res
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)

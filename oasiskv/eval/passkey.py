@@ -73,7 +73,8 @@ def run_passkey(args) -> int:
     results = {"context_len": args.context_len, "depths": args.depths, "seeds": args.seeds,
                "sparse": {"top_k_blocks": base.top_k_blocks, "sink_blocks": base.sink_blocks,
                           "window_blocks": base.window_blocks, "fetch_ratio": base.fetch_ratio,
-                          "sparse_threshold": base.sparse_threshold}, "runs": {}}
+                          "sparse_threshold": base.sparse_threshold, "summary_dtype": base.summary_dtype},
+               "runs": {}}
     cases = None
     for name in ["dense"] + list(args.drafters):
         cfg = replace(base, sparse=False) if name == "dense" else replace(base, sparse=True, drafter=name)
