@@ -74,3 +74,12 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2"]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]
+
+
+@pytest.mark.parametrize("flag,value", [("--transfer-programs", "6:12:24"), ("--transfer-programs", "8:x"),
+                                        ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3")])
+def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
+    """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
+    the model had loaded)."""
+    with pytest.raises(ValueError, match=flag):
+        run_bench(tmp_path, flag, value)

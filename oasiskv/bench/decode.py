@@ -165,7 +165,7 @@ class DecodeBench:
         if batch * P > r.num_pages:
             return self._no_fit("sparse", batch, context, f"needs {batch * P} GPU pages, the pool has {r.num_pages}")
         host = self._host_pool()
-        programs, *items = (transfer_programs or self.args.transfer_programs.split(",")[0]).split(":")
+        programs, items, warps = transfer_spec(transfer_programs or self.args.transfer_programs.split(",")[0])
         extents = [host.allocate(f"s{i}", mc.num_layers, nb, mc.num_kv_heads) for i in range(batch)]
         try:
             if any(e is None for e in extents):
@@ -173,18 +173,13 @@ class DecodeBench:
                                     f"host pool holds {host.num_items * host.item_bytes / 2**30:.0f} GiB")
             p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb,
                                   summary_blocks=batch * nb, block_size=bs,
-                                  transfer_programs=int(programs),
+                                  transfer_programs=programs,
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
-            if items:
-                p.transfer_items = int(items[0])
-            if len(items) > 1:
-                p.transfer_warps = int(items[1])
+            p.transfer_items = items or p.transfer_items
+            p.transfer_warps = warps or p.transfer_warps
             p.prefetch = prefetch
             p.stages = stages
-            tiling = bounds_tiling or self.args.bounds_tiling.split(",")[0]
-            p.bounds_tiling = tuple(int(x) for x in tiling.split(":"))
-            if len(p.bounds_tiling) != 3:
-                raise ValueError(f"--bounds-tiling takes TILE:TILES:STAGES, not {tiling!r}")
+            p.bounds_tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -334,7 +329,33 @@ class DecodeBench:
         return out
 
 
+def transfer_spec(text: str) -> tuple[int, int | None, int | None]:
+    """--transfer-programs value P[:ITEMS[:WARPS]] -> (programs, items or None, warps or None)."""
+    try:
+        parts = [int(x) for x in text.split(":")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or min(parts) < 1 or (len(parts) == 3 and parts[2] & (parts[2] - 1)):
+        raise ValueError(f"--transfer-programs takes P[:ITEMS[:WARPS]] (positive, WARPS a power of two), not {text!r}")
+    return parts[0], (parts[1:2] or [None])[0], (parts[2:3] or [None])[0]
+
+
+def tiling_spec(text: str) -> tuple[int, int, int]:
+    """--bounds-tiling value TILE:TILES:STAGES."""
+    try:
+        parts = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        parts = ()
+    if len(parts) != 3 or min(parts) < 1 or parts[0] < 16:
+        raise ValueError(f"--bounds-tiling takes TILE:TILES:STAGES (TILE >= 16), not {text!r}")
+    return parts
+
+
 def run_decode_bench(args) -> int:
+    for text in args.transfer_programs.split(","):  # bad values fail now, not after the model loads
+        transfer_spec(text)
+    for text in args.bounds_tiling.split(","):
+        tiling_spec(text)
     bench = DecodeBench(args)
     result = {"model": bench.mc.name, "dtype": str(bench.runner.dtype).removeprefix("torch."),
               "device": torch.cuda.get_device_name() if bench.runner.device.type == "cuda" else "cpu",
