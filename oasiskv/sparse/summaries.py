@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.sparse.config import SUMMARY_DTYPES  # auto: the KV cache's dtype; fp8: e4m3
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
