@@ -24,7 +24,7 @@ b16)  # the equal-batch acceptance rows only: dense and sparse at batch 16, 16K 
     --output-json "$OUT/decode_b16.json" 2>&1 | tee "$OUT/decode_b16.log"
   ;;
 summaries)  # fp8 against KV-dtype summaries: kernel checks and timings, engine tokens, then batch 16 side by side
-  python3 scripts/gpu_check_sparse.py 2>&1 | tee "$OUT/check_sparse.log"
+  python3 scripts/gpu_check_sparse.py --no-sweep 2>&1 | tee "$OUT/check_sparse.log"
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -4 | tee "$OUT/check_sparse_engine_fp8.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes auto,fp8 \
     --output-json "$OUT/decode_b16_summaries.json" 2>&1 | tee "$OUT/decode_b16_summaries.log"
