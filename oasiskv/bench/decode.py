@@ -99,8 +99,10 @@ class DecodeBench:
         return self.runner.kv_bytes_per_page
 
     def summary_bytes(self, context: int, summary_dtype: str | None = None) -> int:
+        from oasiskv.sparse import summaries
+
         mc = self.mc
-        size = 1 if (summary_dtype or self.sparse_cfg.summary_dtype) == "fp8" else self.runner.dtype.itemsize
+        size = summaries.summary_dtype(summary_dtype or self.sparse_cfg.summary_dtype, self.runner.dtype).itemsize
         return 2 * self.blocks(context) * mc.num_layers * mc.num_kv_heads * mc.head_dim * size
 
     def host_bytes(self, context: int) -> int:
