@@ -33,7 +33,6 @@ class EngineConfig:
     summary_dtype: str = "auto"
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
-    decode_gemm: str = "auto"  # decode-sized projections: auto (triton on CUDA) | triton | cublas
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -52,8 +51,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
-        if self.decode_gemm not in ("auto", "triton", "cublas"):
-            raise ValueError(f"decode_gemm must be auto, triton or cublas, got {self.decode_gemm!r}")
         if self.sparse_pipeline not in ("auto", "on", "off"):
             raise ValueError(f"sparse_pipeline must be auto, on or off, got {self.sparse_pipeline!r}")
         if self.sparse_pipeline == "on" and self.drafter in ("oracle", "ondemand"):

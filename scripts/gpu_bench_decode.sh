@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|gemm|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -28,13 +28,6 @@ summaries)  # fp8 against KV-dtype summaries: kernel checks and timings, engine 
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -4 | tee "$OUT/check_sparse_engine_fp8.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes auto,fp8 \
     --output-json "$OUT/decode_b16_summaries.json" 2>&1 | tee "$OUT/decode_b16_summaries.log"
-  ;;
-gemm)  # the Triton decode GEMM against cuBLAS: kernel checks and timings, engine tokens, then batch 16 side by side
-  python3 scripts/gpu_check_gemm.py 2>&1 | tee "$OUT/check_gemm.log"
-  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -4 | tee "$OUT/check_sparse_engine.log"
-  python3 scripts/gpu_check_sparse_engine.py --dtype float32 2>&1 | tail -4 | tee -a "$OUT/check_sparse_engine.log"
-  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --decode-gemms triton,cublas \
-    --no-prefetch-run --output-json "$OUT/decode_b16_gemm.json" 2>&1 | tee "$OUT/decode_b16_gemm.log"
   ;;
 full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool)
   bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --fetch-ablation \

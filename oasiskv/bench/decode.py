@@ -44,8 +44,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bounds-tiling", default="64:8:3",
                    help="the prediction's bounds kernel as TILE:TILES:STAGES: blocks per tile, tiles per "
                         "program, load stages; a comma list runs sparse once per value")
-    p.add_argument("--decode-gemms", default=None,
-                   help="comma list of --decode-gemm values run side by side (e.g. triton,cublas)")
     p.add_argument("--summary-dtypes", default=None,
                    help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
                         "the engine's --summary-dtype only)")
@@ -91,21 +89,6 @@ class DecodeBench:
         self.host = None
         self.sparse_cfg = dataclasses.replace(cfg.sparse_config(), enabled=True)  # validates the flags
         self.overlap = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto" and r.device.type == "cuda")
-        self.decode_gemm = cfg.decode_gemm
-
-    def set_decode_gemm(self, choice: str) -> None:
-        """Route the model's projections (Triton or cuBLAS) and capture the dense graphs again."""
-        from oasiskv.layers.linear import use_decode_gemm
-
-        if choice == self.decode_gemm:
-            return
-        r = self.runner
-        use_decode_gemm(r.model, choice, r.device)
-        self.decode_gemm = choice
-        if r.graphs:
-            r.graphs.clear()
-            torch.cuda.empty_cache()
-            r._capture_decode_graphs()
 
     # ---- sizes ----------------------------------------------------------------------
     def blocks(self, context: int) -> int:
@@ -315,7 +298,6 @@ class DecodeBench:
         pcie_s = fetched / PCIE_BYTES_PER_S
         return {
             "mode": mode, "batch": batch, "context": context, "fits": True, "async_scheduling": self.overlap,
-            "decode_gemm": self.decode_gemm,
             "step_ms": 1e3 * seconds, "tpot_ms": 1e3 * seconds, "output_tok_s": batch / seconds,
             "weight_bytes": weights, "kv_read_bytes_per_step": kv_read, "summary_bytes_per_step": summaries,
             "fetched_bytes_per_step": fetched, "transfer_gb_s": fetched / seconds / 1e9,
@@ -401,9 +383,7 @@ def run_decode_bench(args) -> int:
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         engine_overlap = bench.overlap
         overlaps = [m == "on" for m in args.async_modes.split(",")] if args.async_modes else [engine_overlap]
-        gemms = args.decode_gemms.split(",") if args.decode_gemms else [bench.decode_gemm]
-        for gemm, context in ((g, c) for c in contexts for g in gemms):
-            bench.set_decode_gemm(gemm)
+        for context in contexts:
             for batch in batches:
                 for bench.overlap in overlaps:
                     if "dense" in modes:
@@ -439,8 +419,7 @@ def run_decode_bench(args) -> int:
         result["speedups"] = speedups(result["runs"])
         for s in result["speedups"]:
             print(f"sparse / dense at batch {s['batch']}, context {s['context']}, async scheduling "
-                  f"{'on' if s['async_scheduling'] else 'off'}, decode GEMM {s['decode_gemm']}: "
-                  f"{s['speedup']:.2f}x output tok/s")
+                  f"{'on' if s['async_scheduling'] else 'off'}: {s['speedup']:.2f}x output tok/s")
     save()
     if args.plot and result["runs"]:
         plot_sweep(result["runs"], args.plot)
@@ -450,13 +429,13 @@ def run_decode_bench(args) -> int:
 def speedups(runs: list[dict]) -> list[dict]:
     by = {}
     for r in runs:  # the best sparse run of each shape (over transfer grids), prefetch on
-        key = (r["mode"], r["batch"], r["context"], r.get("async_scheduling"), r.get("decode_gemm"))
+        key = (r["mode"], r["batch"], r["context"], r.get("async_scheduling"))
         valid = r.get("fits") and r.get("prefetch", True) and r.get("pipeline_stages", 3) == 3
         if valid and (key not in by or r["output_tok_s"] > by[key]["output_tok_s"]):
             by[key] = r
-    return [{"batch": b, "context": c, "async_scheduling": a, "decode_gemm": g,
-             "speedup": by[("sparse", b, c, a, g)]["output_tok_s"] / d["output_tok_s"]}
-            for (m, b, c, a, g), d in by.items() if m == "dense" and ("sparse", b, c, a, g) in by]
+    return [{"batch": b, "context": c, "async_scheduling": a,
+             "speedup": by[("sparse", b, c, a)]["output_tok_s"] / d["output_tok_s"]}
+            for (m, b, c, a), d in by.items() if m == "dense" and ("sparse", b, c, a) in by]
 
 
 def print_header() -> None:
@@ -479,7 +458,7 @@ def print_row(r: dict) -> None:
           f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
           f"{100 * r['hit_rate'] if sp else 0:>5.1f} {100 * r.get('stall_fraction', 0):>6.1f} "
           f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
-          f"gemm {r.get('decode_gemm')} {'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
+          f"{'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
           f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} "
           f"{'items ' + str(r.get('transfer_items')) + ' warps ' + str(r.get('transfer_warps')) if sp else ''}", flush=True)
 

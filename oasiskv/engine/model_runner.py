@@ -15,7 +15,6 @@ from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.sparse_decode import SparseDecodeMixin
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
-from oasiskv.layers.linear import use_decode_gemm
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
@@ -48,7 +47,6 @@ class ModelRunner(SparseDecodeMixin):
         self.model_config = mc
         torch.manual_seed(cfg.seed)
         self.model = self._load_model()
-        use_decode_gemm(self.model, cfg.decode_gemm, self.device)
         self.block_size = cfg.block_size
         self.num_kv_heads, self.head_dim = mc.num_kv_heads, mc.head_dim
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)

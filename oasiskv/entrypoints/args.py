@@ -23,8 +23,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="launch decode step t+1 before reading step t's tokens (auto: on CUDA)")
-    g.add_argument("--decode-gemm", default="auto", choices=["auto", "triton", "cublas"],
-                   help="decode-sized projections: the skinny Triton GEMM or cuBLAS (auto: triton on CUDA)")
     sp = p.add_argument_group("sparse decode (KV beyond GPU memory)")
     sp.add_argument("--sparse", action="store_true", help="decode long requests from a head-wise working set")
     sp.add_argument("--top-k-blocks", type=int, default=128)
@@ -55,4 +53,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         sparse_threshold=args.sparse_threshold, fetch_ratio=1.0 if args.fetch_all else args.fetch_ratio,
         drafter=args.drafter, host_kv_gb=args.host_kv_gb, summary_dtype=args.summary_dtype,
         sparse_pipeline=args.sparse_pipeline,
-        async_scheduling=args.async_scheduling, decode_gemm=args.decode_gemm)
+        async_scheduling=args.async_scheduling)
