@@ -3,9 +3,9 @@ decode kernel as a fraction of the HBM byte roofline.
 
     PYTHONPATH=. python3 scripts/gpu_check_kernels.py [--quick] [--sweep]
 
-Checks (bf16, fp16, fp32): store_kv_triton == store_kv_ref exactly; paged_decode_triton vs
-paged_decode_ref at small shapes and vs paged_decode_torch at realistic ones (B=16, Hkv=8,
-G=4, D=128, contexts 1K/16K/32K), pass when ||out - ref|| / ||ref|| < 1e-2 (bf16) and every
+Checks (bf16, fp16, fp32): the fused qkv epilogue (norm, RoPE, K/V store, summary fold) vs its
+reference; paged_decode_triton vs paged_decode_ref at small shapes and vs paged_decode_torch at
+realistic ones (B=16, Hkv=8, G=4, D=128, contexts 1K/16K/32K); each passes when ||out - ref|| / ||ref|| < 1e-2 (bf16) and every
 output element was written (outputs are NaN-poisoned first); a CUDA-graph replay after the
 lengths and slot contents change. Timing: CUDA-graph replays under triton.testing.do_bench
 (median, L2 flushed between runs) at B in {1, 16, 64}, contexts {4K, 16K, 32K}, Qwen3-8B heads
@@ -24,8 +24,7 @@ import triton
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S
 from oasiskv.kernels.paged_decode import choose_num_splits, paged_decode_torch, paged_decode_triton
-from oasiskv.kernels.reference import paged_decode_ref, store_kv_ref
-from oasiskv.kernels.store_kv import store_kv_triton
+from oasiskv.kernels.reference import paged_decode_ref
 
 PEAK_TBS = HBM_BYTES_PER_S / 1e12
 BS, HQ, HKV, D = 16, 32, 8, 128  # Qwen3-8B attention heads
@@ -89,17 +88,41 @@ def check_decode(B, Hkv, G, Q, ctx, dtype, big=False, d=D, **kw):
     record(name, rel_err(out.nan_to_num(1e4), ref), tol, not out.isnan().any().item())
 
 
-def check_store(dtype, T=64, Hkv=8):
-    pool = torch.randn(T * Hkv + 5, 2, BS, D, device=DEV, dtype=dtype)
-    k = torch.randn(T, Hkv, D, device=DEV, dtype=dtype)
-    v = torch.randn(T, Hkv, D, device=DEV, dtype=dtype)
-    slots = torch.randperm(pool.shape[0], device=DEV)[:T * Hkv].view(T, Hkv).int()
-    slots[::7] = -1
+def check_qkv_epilogue(dtype, fold=None, norm=True, R=16, Q=2):
+    """The fused epilogue against its reference (the separate torch functions) at Qwen3-8B's
+    heads: q and k, the stored cache, and (fold "kv" | "fp8") the summaries and draft copy."""
+    from oasiskv.kernels.qkv_epilogue import SummaryFold, qkv_epilogue, qkv_epilogue_ref
+    from oasiskv.layers.rotary import RotaryEmbedding
+
+    T, NB = R * Q, 4 * R
+    qkv = torch.randn(T, (HQ + 2 * HKV) * D, device=DEV, dtype=dtype)
+    rot = RotaryEmbedding(D, 40960, 1e6, None).to(DEV)
+    pos = torch.randint(0, 40960, (T,), device=DEV)
+    qw, kw = ((1 + 0.1 * torch.randn(D, device=DEV)).to(dtype) for _ in range(2)) if norm else (None, None)
+    pool = torch.randn(T * HKV + 5, 2, BS, D, device=DEV, dtype=dtype)
+    slots = torch.randperm(pool.shape[0], device=DEV)[:T * HKV].view(T, HKV).int()
+    slots[1::Q] = -1
     offsets = torch.randint(0, BS, (T,), device=DEV).int()
-    expect = pool.clone()
-    store_kv_ref(expect, k, v, slots, offsets)
-    store_kv_triton(pool, k, v, slots, offsets)
-    record(f"store_kv {str(dtype)[6:]} T{T} Hkv{Hkv}", (pool.float() - expect.float()).abs().max().item(), 1e-30)
+    folds = [None, None]
+    if fold:
+        sd = torch.float8_e4m3fn if fold == "fp8" else dtype
+        lo = torch.randn(NB, HKV, D, device=DEV)
+        blocks = torch.randperm(NB, device=DEV)[:R]
+        blocks[0] = -1
+        first = torch.rand(R, device=DEV) < 0.5
+        folds = [SummaryFold(lo.to(sd), (lo + lo.abs()).to(sd), blocks, first, Q,
+                             torch.full((R, HQ, D), float("nan"), device=DEV, dtype=dtype), 1) for _ in range(2)]
+    ref_pool = pool.clone()
+    want = qkv_epilogue_ref(qkv, HQ, HKV, pos, rot.cos, rot.sin, qw, kw, 1e-6, ref_pool, slots, offsets, folds[0])
+    got = qkv_epilogue(qkv, HQ, HKV, pos, rot.cos, rot.sin, qw, kw, 1e-6, pool, slots, offsets, folds[1])
+    err = max(rel_err(g, w) for g, w in zip(got[:2], want[:2]))
+    err = max(err, rel_err(pool, ref_pool))
+    written = True
+    if fold:
+        a, b = folds[1], folds[0]
+        err = max(err, rel_err(a.kmin, b.kmin), rel_err(a.kmax, b.kmax), rel_err(a.draft_to.nan_to_num(1e4), b.draft_to))
+        written = not a.draft_to.isnan().any().item()
+    record(f"qkv epilogue {str(dtype)[6:]} norm {norm} fold {fold}", err, 1e-2 if dtype != torch.float32 else 1e-5, written)
 
 
 def check_graph_replay(dtype=torch.bfloat16, B=4, G=4, Q=2, ctx=2048):
@@ -156,8 +179,10 @@ def main():
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 
     # -- correctness
-    for dtype in (torch.bfloat16, torch.float16):
-        guarded(check_store, dtype)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for fold in (None, "kv", "fp8"):
+            guarded(check_qkv_epilogue, dtype, fold)
+    guarded(check_qkv_epilogue, torch.bfloat16, None, norm=False)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for G, Q, ctx in [(1, 1, 300), (3, 2, 700), (4, 1, 1000), (8, 4, 257)]:
             guarded(check_decode, 3, 2, G, Q, ctx, dtype)

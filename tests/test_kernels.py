@@ -16,7 +16,7 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
-from oasiskv.kernels.reference import paged_decode_ref, store_kv_ref
+from oasiskv.kernels.reference import paged_decode_ref
 
 # Output tolerance by dtype: float32 math everywhere, so the gap is the output rounding
 # (fp16/bf16) plus, in Triton, P cast to the cache dtype before the P @ V dot.
@@ -43,18 +43,6 @@ def make_decode_inputs(B, Hkv, G, Q, D, max_blocks, dtype, bs=16, lens=None, see
     k_new = torch.randn(B, Q, Hkv, D, generator=gen).to(dtype)
     v_new = torch.randn(B, Q, Hkv, D, generator=gen).to(dtype)
     return q, k_new, v_new, kv_cache, slot_tables, cache_lens
-
-
-def make_store_inputs(T, Hkv, D, dtype, bs=16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    num_slots = T * Hkv + 3
-    kv_cache = torch.randn(num_slots, 2, bs, D, generator=gen).to(dtype)
-    k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
-    v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
-    write_slots = torch.randperm(num_slots, generator=gen)[:T * Hkv].view(T, Hkv).to(torch.int32)
-    write_slots[-1] = -1  # e.g. a draft token: not stored
-    write_offsets = torch.randint(0, bs, (T,), generator=gen).to(torch.int32)
-    return kv_cache, k, v, write_slots, write_offsets
 
 
 # ----------------------------------------------------------------- torch path vs reference
@@ -105,15 +93,9 @@ def test_paged_decode_torch_ignores_what_unwritten_slots_hold():
 
 def test_dispatch_on_cpu_uses_torch_paths():
     from oasiskv.kernels.paged_decode import paged_decode
-    from oasiskv.kernels.store_kv import store_kv
     args = make_decode_inputs(2, 2, 2, 2, 64, 4, torch.float32)
     torch.testing.assert_close(paged_decode(*args, 0.1), paged_decode_ref(*args, 0.1),
                                rtol=1e-4, atol=1e-5)
-    cache, k, v, slots, offsets = make_store_inputs(4, 2, 64, torch.float32)
-    expect = cache.clone()
-    store_kv_ref(expect, k, v, slots, offsets)
-    store_kv(cache, k, v, slots, offsets)
-    assert torch.equal(cache, expect)
 
 
 # ----------------------------------------------------------------- Triton under the interpreter
@@ -127,25 +109,17 @@ DECODE_CASES = {  # id: (B, Hkv, G, Q, D, max_blocks, dtype, kernel options)
     # several tiles per split, partial tiles at split ends
     "g2_q1_fp16_tile2_split2": (2, 2, 2, 1, 64, 11, torch.float16, dict(num_splits=2, tile_blocks=2)),
 }
-STORE_CASES = {"fp32_d64": (5, 3, 64, torch.float32), "fp16_d128": (4, 2, 128, torch.float16)}
 
 
 def run_interpreter_cases() -> dict[str, float]:
     """Runs in the TRITON_INTERPRET=1 subprocess: max abs error of each case vs its reference."""
     from oasiskv.kernels.paged_decode import paged_decode_triton
-    from oasiskv.kernels.store_kv import store_kv_triton
     errors = {}
     for name, (B, Hkv, G, Q, D, max_blocks, dtype, options) in DECODE_CASES.items():
         args = make_decode_inputs(B, Hkv, G, Q, D, max_blocks, dtype, seed=len(name))
         out = paged_decode_triton(*args, D ** -0.5, **options)
         ref = paged_decode_ref(*args, D ** -0.5)
         errors["decode_" + name] = (out.float() - ref.float()).abs().max().item()
-    for name, (T, Hkv, D, dtype) in STORE_CASES.items():
-        cache, k, v, slots, offsets = make_store_inputs(T, Hkv, D, dtype)
-        expect = cache.clone()
-        store_kv_ref(expect, k, v, slots, offsets)
-        store_kv_triton(cache, k, v, slots, offsets)
-        errors["store_" + name] = (cache.float() - expect.float()).abs().max().item()
     return errors
 
 
@@ -157,11 +131,6 @@ def interpreter_errors():
 @pytest.mark.parametrize("name", list(DECODE_CASES), ids=str)
 def test_paged_decode_triton_interpreter(interpreter_errors, name):
     assert interpreter_errors["decode_" + name] < TOL[DECODE_CASES[name][6]]
-
-
-@pytest.mark.parametrize("name", list(STORE_CASES), ids=str)
-def test_store_kv_triton_interpreter(interpreter_errors, name):
-    assert interpreter_errors["store_" + name] == 0.0
 
 
 if __name__ == "__main__":

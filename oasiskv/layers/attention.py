@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from oasiskv.kernels.paged_decode import paged_decode
-from oasiskv.kernels.store_kv import store_kv
 
 
 @dataclass
@@ -34,7 +33,7 @@ class AttentionMetadata:
     slot_tables: torch.Tensor | None = None
     cache_lens: torch.Tensor | None = None  # [(L,) B, Hkv] cached tokens attended (new ones excluded)
     query_len: int = 1
-    hooks: object = None  # sparse step hooks: before_attention / after_attention(layer, q, k, meta)
+    hooks: object = None  # sparse step hooks: summary_fold(layer), before_attention / after_attention
 
     @property
     def is_prefill(self) -> bool:
@@ -42,9 +41,9 @@ class AttentionMetadata:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-           meta: AttentionMetadata, scale: float, layer: int) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] (post-RoPE) -> [T, Hq, D]."""
-    store_kv(kv_cache, k, v, meta.write_slots, meta.write_offsets)
+           meta: AttentionMetadata, scale: float, layer: int, folded: bool = False) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] (post-RoPE, already stored in kv_cache by the qkv
+    epilogue) -> [T, Hq, D]. folded: the epilogue also did the hooks' summary fold."""
     if meta.hooks is not None:
         meta.hooks.before_attention(layer, q, k, meta)
     if meta.is_prefill:
@@ -58,7 +57,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         out = paged_decode(q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D),
                            kv_cache, tables, lens, scale).reshape(T, Hq, D)
     if meta.hooks is not None:
-        meta.hooks.after_attention(layer, q, k, meta)
+        meta.hooks.after_attention(layer, q, k, meta, folded)
     return out
 
 

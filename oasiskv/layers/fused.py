@@ -1,8 +1,9 @@
 """Elementwise pieces of a decoder layer, fused into one kernel each on CUDA by torch.compile.
 
 A decode step at batch 16 spends as long launching ~50 tiny elementwise kernels per layer
-as reading the weights; fusing norm, residual, RoPE and SiLU cuts that to a handful. On CPU
-(tests, the HF reference comparisons) the same functions run eagerly.
+as reading the weights; fusing norm, residual and SiLU cuts that to a handful. On CPU
+(tests, the HF reference comparisons) the same functions run eagerly. The per-head q/k norm
+and RoPE (`rms`, `rotate_half`) run inside the qkv epilogue kernel (kernels/qkv_epilogue.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def cuda_compiled(fn):
     return wrapper
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
@@ -34,37 +35,21 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @cuda_compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms(x, weight, eps)
+    return rms(x, weight, eps)
 
 
 @cuda_compiled
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(norm(x + residual), x + residual): the residual stream stays in the model dtype."""
     s = x + residual
-    return _rms(s, weight, eps), s
+    return rms(s, weight, eps), s
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     half = x.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
-
-
-@cuda_compiled
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-         sin_table: torch.Tensor):
-    cos = cos_table[positions][:, None, :]
-    sin = sin_table[positions][:, None, :]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-@cuda_compiled
-def qk_norm_rope(q, k, q_weight, k_weight, eps: float, positions, cos_table, sin_table):
-    """Qwen3: RMSNorm over each head's q and k, then RoPE, in one pass."""
-    cos = cos_table[positions][:, None, :]
-    sin = sin_table[positions][:, None, :]
-    return _rotate(_rms(q, q_weight, eps), cos, sin), _rotate(_rms(k, k_weight, eps), cos, sin)
 
 
 @cuda_compiled

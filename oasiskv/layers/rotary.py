@@ -1,6 +1,6 @@
 """Rotary position embedding tables (HF rotate-half convention), with Llama-3 frequency scaling.
 
-Applied by `layers.fused.rope` / `qk_norm_rope`."""
+Applied by the qkv epilogue (`kernels/qkv_epilogue.py`)."""
 from __future__ import annotations
 
 import math

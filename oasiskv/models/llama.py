@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.layers.attention import AttentionMetadata, attend
-from oasiskv.layers.fused import add_rms_norm, qk_norm_rope, rms_norm, rope, silu_mul
+from oasiskv.kernels.qkv_epilogue import qkv_epilogue
+from oasiskv.layers.fused import add_rms_norm, rms_norm, silu_mul
 from oasiskv.layers.rotary import RotaryEmbedding
 from oasiskv.models.config import ModelConfig
 
@@ -44,19 +45,15 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        r = self.rotary
-        if self.q_norm is not None:
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                positions, r.cos, r.sin)
-        else:
-            q, k = rope(q, k, positions, r.cos, r.sin)
-        o = attend(q, k, v, kv_cache, meta, self.scale, self.layer)
-        return self.o_proj(o.reshape(T, self.q_size))
+        # Norm, RoPE, the K/V store and the sparse pipeline's summary fold: one launch on CUDA.
+        fold = meta.hooks.summary_fold(self.layer) if meta.hooks is not None else None
+        norm = self.q_norm is not None
+        q, k, v = qkv_epilogue(self.qkv_proj(x), self.num_heads, self.num_kv_heads, positions,
+                               self.rotary.cos, self.rotary.sin, self.q_norm.weight if norm else None,
+                               self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                               kv_cache, meta.write_slots, meta.write_offsets, fold)
+        o = attend(q, k, v, kv_cache, meta, self.scale, self.layer, folded=fold is not None)
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):

@@ -32,6 +32,7 @@ import torch
 
 from oasiskv.kernels.copy_items import (DEFAULT_PROGRAMS, ITEMS_PER_LOAD, NUM_WARPS, device_view,
                                         fetch_admitted, write_through)
+from oasiskv.kernels.qkv_epilogue import SummaryFold
 from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
@@ -229,17 +230,26 @@ class LookaheadPipeline:
         return tables, lens, write_slots, partial.int()
 
     # ---- hooks called by the attention layer ----------------------------------------
+    def summary_fold(self, layer: int) -> SummaryFold:
+        """For the layer's qkv epilogue: each row's token key into its block's summary, and the
+        draft query (the token's own with `prev`) copied out in the same launch: the stages
+        read it later, from another stream, after the foreground has moved on."""
+        B = self.B
+        return SummaryFold(self.kmin[layer], self.kmax[layer], self.summary_block[:B], self.first_in_block[:B],
+                           query_len=2, draft_to=self.draft_q[layer, :B] if self.prefetch else None,
+                           draft_index=1 if self.drafted else 0)
+
     def before_attention(self, layer: int, q, k, meta) -> None:
         pass
 
-    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
-        """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft)."""
-        R = self.B
-        key = k.view(R, 2, self.H, self.D)[:, 0]
-        # The draft query is copied out in the summary fold's launch: the stages read it later,
-        # from another stream, after the foreground has moved on.
-        draft = q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0] if self.prefetch else None
-        self.update_summaries(layer, key, draft)
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta, folded: bool = False) -> None:
+        """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft).
+        folded: `summary_fold` was applied by the layer's epilogue (else it is done here)."""
+        if not folded:
+            R = self.B
+            key = k.view(R, 2, self.H, self.D)[:, 0]
+            draft = q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0] if self.prefetch else None
+            self.update_summaries(layer, key, draft)
         if not self.prefetch:
             return
         if not self.background:

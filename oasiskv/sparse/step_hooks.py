@@ -24,6 +24,9 @@ class SparseStepHooks:
     prefetch: bool = True  # off for the oracle's first pass
     record_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # token row -> [L, Hq, D]
 
+    def summary_fold(self, layer: int) -> None:
+        return None  # the in-line path folds per request, after attention
+
     def before_attention(self, layer: int, q, k, meta) -> None:
         if self.drafter != "ondemand" or not self.prefetch:
             return
@@ -36,7 +39,7 @@ class SparseStepHooks:
             meta.slot_tables[layer, r.batch_index, :, :n] = slots[0].to(meta.slot_tables.device)
             meta.cache_lens[layer, r.batch_index] = lens[0].to(meta.cache_lens.device)
 
-    def after_attention(self, layer: int, q, k, meta) -> None:
+    def after_attention(self, layer: int, q, k, meta, folded: bool = False) -> None:
         for row, buf in self.record_rows.items():
             buf[layer] = q[row]
         m, Q = self.manager, self.query_len

@@ -1,0 +1,183 @@
+"""Everything between the qkv projection and attention, in one launch on CUDA: each head's
+RMSNorm (Qwen3's q/k norm), RoPE, the new K/V stored into their cache slots and, for the
+sparse pipeline, each row's key folded into its block's min/max summary and its draft query
+copied out for the predict stage.
+
+On the sparse 32K step these were four launches a layer on the critical path (the compiled
+norm + RoPE took two, store and fold one each: 7.8 µs of kernels plus the gaps between
+them, docs/results/sparse_profile_b16_32k_h200_mma.json). `qkv_epilogue_ref` composes the
+separate functions and is what CPU tensors run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.kernels.reference import store_kv_ref
+from oasiskv.layers.fused import rms, rotate_half
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the reference alone
+    triton = None
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryFold:
+    """The sparse pipeline's part of a layer's epilogue, for a step of R rows x Q tokens: row
+    r's token (token r * Q) folds its key into block block_ids[r] of kmin / kmax [NB, Hkv, D]
+    (-1: skip the row; first_in_block: the token starts the block), and token r * Q +
+    draft_index's query goes to draft_to[r] ([R, Hq, D]; None: no copy)."""
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+    block_ids: torch.Tensor
+    first_in_block: torch.Tensor
+    query_len: int
+    draft_to: torch.Tensor | None = None
+    draft_index: int = 1
+
+
+def qkv_epilogue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
+                 write_slots: torch.Tensor, write_offsets: torch.Tensor,
+                 fold: SummaryFold | None = None):
+    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D] (normed if weights are given,
+    rotated), v [T, Hkv, D] (a view of qkv); K/V stored at write_slots / write_offsets (-1:
+    not stored) and `fold` applied."""
+    if not qkv.is_cuda or triton is None:
+        return qkv_epilogue_ref(qkv, num_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps,
+                                kv_cache, write_slots, write_offsets, fold)
+    T = qkv.shape[0]
+    Hq, Hkv = num_heads, num_kv_heads
+    D = qkv.shape[1] // (Hq + 2 * Hkv)
+    assert qkv.stride(1) == 1 and kv_cache.stride(-1) == 1 and D % 2 == 0
+    q = torch.empty(T, Hq, D, device=qkv.device, dtype=qkv.dtype)
+    k = torch.empty(T, Hkv, D, device=qkv.device, dtype=qkv.dtype)
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    if T == 0:
+        return q, k, v
+    norm = q_weight is not None
+    f = fold
+    copy = f is not None and f.draft_to is not None
+    if copy:
+        assert f.draft_to.is_contiguous() and f.draft_to.shape[1:] == (Hq, D)
+    if f is not None:
+        assert f.kmin.is_contiguous() and f.kmax.is_contiguous()
+    _qkv_epilogue_kernel[(T, Hq + Hkv)](
+        qkv, q, k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
+        kv_cache, write_slots, write_offsets,
+        f.kmin if f is not None else qkv, f.kmax if f is not None else qkv,
+        f.block_ids if f is not None else positions, f.first_in_block if f is not None else positions,
+        f.draft_to if copy else qkv,
+        qkv.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        write_slots.stride(0), write_slots.stride(1), eps,
+        HQ=Hq, HKV=Hkv, D=D, HALF=D // 2, NORM=norm, FOLD=f is not None, COPY=copy,
+        Q=f.query_len if f is not None else 1, DRAFT=f.draft_index if copy else 0,
+        FP8=f is not None and f.kmin.dtype == torch.float8_e4m3fn, num_warps=1)
+    return q, k, v
+
+
+def qkv_epilogue_ref(qkv, num_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps,
+                     kv_cache, write_slots, write_offsets, fold=None):
+    from oasiskv.sparse.summaries import update_block_minmax  # sparse imports kernels: import late
+
+    T = qkv.shape[0]
+    D = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q, k, v = q.view(T, num_heads, D), k.view(T, num_kv_heads, D), v.view(T, num_kv_heads, D)
+    if q_weight is not None:
+        q, k = rms(q, q_weight, eps), rms(k, k_weight, eps)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    q, k = rotate_half(q, c, s), rotate_half(k, c, s)
+    store_kv_ref(kv_cache, k, v, write_slots, write_offsets)
+    if fold is not None:
+        Q = fold.query_len
+        update_block_minmax(fold.kmin, fold.kmax, fold.block_ids, k[0::Q], fold.first_in_block)
+        if fold.draft_to is not None:
+            fold.draft_to.copy_(q[fold.draft_index::Q])
+    return q, k, v
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qkv_epilogue_kernel(qkv_ptr, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+                             kv_ptr, slot_ptr, off_ptr, kmin_ptr, kmax_ptr, block_ptr, first_ptr, draft_ptr,
+                             s_qkv, s_cos, skv_slot, skv_kv, skv_tok, ss_t, ss_h, eps,
+                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                             NORM: tl.constexpr, FOLD: tl.constexpr, COPY: tl.constexpr, Q: tl.constexpr,
+                             DRAFT: tl.constexpr, FP8: tl.constexpr):
+        """One program per (token t, head j): j < HQ a query head, else kv head j - HQ. The two
+        halves of the head are loaded apart, as rotate-half pairs element i with i + D/2."""
+        t = tl.program_id(0)
+        j = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        src = qkv_ptr + t.to(tl.int64) * s_qkv + j * D  # k heads follow q heads, v follows k
+        x1 = tl.load(src + i).to(tl.float32)
+        x2 = tl.load(src + HALF + i).to(tl.float32)
+        is_q = j < HQ
+        if NORM:  # as layers.fused.rms: float32 math, the result in the model dtype
+            w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+            r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+            x1 = (x1 * r * tl.load(w_ptr + i).to(tl.float32)).to(q_ptr.dtype.element_ty).to(tl.float32)
+            x2 = (x2 * r * tl.load(w_ptr + HALF + i).to(tl.float32)).to(q_ptr.dtype.element_ty).to(tl.float32)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        c1 = tl.load(cos_ptr + pos * s_cos + i)
+        c2 = tl.load(cos_ptr + pos * s_cos + HALF + i)
+        s1 = tl.load(sin_ptr + pos * s_cos + i)
+        s2 = tl.load(sin_ptr + pos * s_cos + HALF + i)
+        y1 = (x1 * c1 - x2 * s1).to(q_ptr.dtype.element_ty)
+        y2 = (x2 * c2 + x1 * s2).to(q_ptr.dtype.element_ty)
+        if is_q:
+            dst = q_ptr + (t.to(tl.int64) * HQ + j) * D
+            tl.store(dst + i, y1)
+            tl.store(dst + HALF + i, y2)
+            if COPY:
+                if t % Q == DRAFT:
+                    dst = draft_ptr + ((t // Q).to(tl.int64) * HQ + j) * D
+                    tl.store(dst + i, y1)
+                    tl.store(dst + HALF + i, y2)
+        else:
+            h = j - HQ
+            dst = k_ptr + (t.to(tl.int64) * HKV + h) * D
+            tl.store(dst + i, y1)
+            tl.store(dst + HALF + i, y2)
+            slot = tl.load(slot_ptr + t * ss_t + h * ss_h).to(tl.int64)
+            if slot >= 0:
+                off = tl.load(off_ptr + t).to(tl.int64)
+                cache = kv_ptr + slot * skv_slot + off * skv_tok
+                tl.store(cache + i, y1.to(kv_ptr.dtype.element_ty))
+                tl.store(cache + HALF + i, y2.to(kv_ptr.dtype.element_ty))
+                v1 = tl.load(src + HKV * D + i)
+                v2 = tl.load(src + HKV * D + HALF + i)
+                tl.store(cache + skv_kv + i, v1.to(kv_ptr.dtype.element_ty))
+                tl.store(cache + skv_kv + HALF + i, v2.to(kv_ptr.dtype.element_ty))
+            if FOLD:
+                if t % Q == 0:
+                    b = tl.load(block_ptr + t // Q).to(tl.int64)
+                    if b >= 0:
+                        _fold(kmin_ptr, kmax_ptr, (b * HKV + h) * D, y1, y2, i, HALF,
+                              tl.load(first_ptr + t // Q) != 0, FP8)
+
+    @triton.jit
+    def _fold(kmin_ptr, kmax_ptr, at, y1, y2, i, HALF: tl.constexpr, first, FP8: tl.constexpr):
+        """As `summaries.fold_keys_`: the key into its block's min / max (a new block starts
+        from the key); fp8 summaries saturate at +-448 and compare in float32."""
+        for part in tl.static_range(2):
+            y = y1 if part == 0 else y2
+            p = at + part * HALF + i
+            lo = tl.load(kmin_ptr + p)
+            hi = tl.load(kmax_ptr + p)
+            if FP8:
+                k = tl.minimum(tl.maximum(y.to(tl.float32), -448.0), 448.0).to(lo.dtype).to(tl.float32)
+                lo = lo.to(tl.float32)
+                hi = hi.to(tl.float32)
+            else:
+                k = y.to(lo.dtype)
+            lo = tl.where(first, k, tl.minimum(lo, k))
+            hi = tl.where(first, k, tl.maximum(hi, k))
+            tl.store(kmin_ptr + p, lo.to(kmin_ptr.dtype.element_ty))
+            tl.store(kmax_ptr + p, hi.to(kmax_ptr.dtype.element_ty))

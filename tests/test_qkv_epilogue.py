@@ -1,0 +1,92 @@
+"""The fused qkv epilogue (oasiskv/kernels/qkv_epilogue.py) against its reference, the
+separate norm / RoPE / store / fold functions, under Triton's CPU interpreter (a subprocess,
+as in test_kernels.py), on random inputs: with and without q/k norm, tokens not stored (-1
+slots: drafts), the summary fold in the KV dtype and in fp8 with rows skipped and blocks
+starting, the draft copy from either query row. bf16 is checked on the GPU machine."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from triton_interpreter import run_under_interpreter
+
+from oasiskv.kernels.qkv_epilogue import SummaryFold, qkv_epilogue, qkv_epilogue_ref
+from oasiskv.layers.rotary import RotaryEmbedding
+
+CASES = {  # id: (rows R, Q, Hq, Hkv, D, dtype, q/k norm, fold: None | "kv" | "fp8", draft index)
+    "plain_fp32_q1": (5, 1, 4, 2, 64, torch.float32, False, None, 0),
+    "norm_fp16_q2_fold_copy_draft": (3, 2, 6, 2, 64, torch.float16, True, "kv", 1),
+    "norm_fp32_q2_fp8_fold_copy_token": (4, 2, 4, 1, 128, torch.float32, True, "fp8", 0),
+    "fp16_q2_fold_no_copy": (2, 2, 2, 2, 32, torch.float16, False, "kv", None),
+}
+
+
+def make_case(R, Q, Hq, Hkv, D, dtype, norm, fold, draft, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T, bs, NB = R * Q, 16, 3 * R
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen).to(dtype)
+    rot = RotaryEmbedding(D, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (T,), generator=gen)
+    qw = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype) if norm else None
+    kw = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype) if norm else None
+    cache = torch.randn(T * Hkv + 4, 2, bs, D, generator=gen).to(dtype)
+    slots = torch.randperm(cache.shape[0], generator=gen)[:T * Hkv].view(T, Hkv).int()
+    slots[1::Q] = -1 if Q > 1 else slots[1::Q]  # drafts are not stored
+    offsets = torch.randint(0, bs, (T,), generator=gen).int()
+    f = None
+    if fold is not None:
+        sdtype = torch.float8_e4m3fn if fold == "fp8" else dtype
+        lo = torch.randn(NB, Hkv, D, generator=gen)
+        blocks = torch.randperm(NB, generator=gen)[:R]
+        blocks[0] = -1  # a padding row
+        first = torch.rand(R, generator=gen) < 0.5
+        to = torch.full((R, Hq, D), float("nan")).to(dtype) if draft is not None else None
+        f = SummaryFold(lo.to(sdtype), (lo + lo.abs()).to(sdtype), blocks, first, query_len=Q, draft_to=to,
+                        draft_index=draft or 0)
+    return qkv, positions, rot.cos, rot.sin, qw, kw, cache, slots, offsets, f
+
+
+def clone_fold(f):
+    if f is None:
+        return None
+    return SummaryFold(f.kmin.clone(), f.kmax.clone(), f.block_ids, f.first_in_block, f.query_len,
+                       None if f.draft_to is None else f.draft_to.clone(), f.draft_index)
+
+
+def run_interpreter_cases() -> dict[str, float]:
+    errors = {}
+    for name, (R, Q, Hq, Hkv, D, dtype, norm, fold, draft) in CASES.items():
+        qkv, pos, cos, sin, qw, kw, cache, slots, offsets, f = make_case(R, Q, Hq, Hkv, D, dtype, norm, fold, draft,
+                                                                         len(name))
+        cache_ref, f_ref = cache.clone(), clone_fold(f)
+        want = qkv_epilogue_ref(qkv, Hq, Hkv, pos, cos, sin, qw, kw, 1e-6, cache_ref, slots, offsets, f_ref)
+        got = qkv_epilogue(qkv, Hq, Hkv, pos, cos, sin, qw, kw, 1e-6, cache, slots, offsets, f)
+        worst = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+        worst = max(worst, (cache.float() - cache_ref.float()).abs().max().item())
+        if f is not None:
+            for a, b in ((f.kmin, f_ref.kmin), (f.kmax, f_ref.kmax)):
+                worst = max(worst, (a.float() - b.float()).abs().max().item())
+            if f.draft_to is not None:
+                worst = max(worst, (f.draft_to.float() - f_ref.draft_to.float()).abs().max().item())
+        errors[name] = worst
+    return errors
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors():
+    return run_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize("name", list(CASES), ids=str)
+def test_qkv_epilogue_interpreter(interpreter_errors, name):
+    """The interpreter computes as the reference does (0 measured); the bound allows one
+    rounding step, as the GPU may fuse a*b - c*d into one multiply-add."""
+    tol = {torch.float32: 1e-5, torch.float16: 2e-2}[CASES[name][5]]
+    assert interpreter_errors[name] <= tol
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
+    print(json.dumps(run_interpreter_cases()))
