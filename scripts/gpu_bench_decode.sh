@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -28,6 +28,20 @@ summaries)  # fp8 against KV-dtype summaries: kernel checks and timings, engine 
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -4 | tee "$OUT/check_sparse_engine_fp8.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes auto,fp8 \
     --output-json "$OUT/decode_b16_summaries.json" 2>&1 | tee "$OUT/decode_b16_summaries.log"
+  ;;
+epilogue)  # this tree against an older one ($OLD, e.g. `git archive REV oasiskv scripts`): checks, then batch 16 fp8 runs of each
+  python3 scripts/gpu_check_kernels.py --quick 2>&1 | grep -v "^PASS" | tee "$OUT/check_kernels.log"
+  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+  python3 scripts/gpu_check_sparse_engine.py --dtype float32 2>&1 | tail -3 | tee -a "$OUT/check_sparse_engine.log"
+  runs="--sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run"
+  (cd "$OLD" && bench $runs --output-json "$OUT/decode_b16_before.json") 2>&1 | tee "$OUT/decode_b16_before.log"
+  bench $runs --bounds-tiling "${TILINGS:-64:8:3}" --output-json "$OUT/decode_b16_after.json" 2>&1 | tee "$OUT/decode_b16_after.log"
+  ;;
+deferred)  # transfers of the last layers opening the next step: engine checks, then batch 16 fp8 across deferrals
+  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+  python3 scripts/gpu_check_sparse_engine.py --dtype float32 2>&1 | tail -3 | tee -a "$OUT/check_sparse_engine.log"
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
+    --deferred-layers "${DEFERRED:-0,1,2,4}" --output-json "$OUT/decode_b16_deferred.json" 2>&1 | tee "$OUT/decode_b16_deferred.log"
   ;;
 full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool)
   bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --fetch-ablation \

@@ -13,12 +13,24 @@ BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, s
               sparse_threshold=256, fetch_ratio=0.25, host_kv_gb=0.25)
 
 
-@pytest.mark.parametrize("drafter,temperature", [("self", 0), ("prev", 0), ("self", 0.8)])
-def test_pipeline_matches_inline_path(drafter, temperature):
+@pytest.mark.parametrize("drafter,temperature,deferred", [("self", 0, 0), ("prev", 0, 0), ("self", 0.8, 0),
+                                                          ("self", 0, 3)])
+def test_pipeline_matches_inline_path(drafter, temperature, deferred):
+    """deferred: the last layers' transfers open the next step (as on CUDA, in order here):
+    their plans wait a step, and land before rows move when a request finishes."""
     text = open(argparse.__file__).read()
     runs = {}
     for path in ("off", "on"):
         llm = LLM(sparse_pipeline=path, drafter=drafter, **BUDGET)
+        if path == "on":
+            p = llm.engine.runner.pipeline
+            p.deferred_layers = deferred
+            flush, checked = p.flush_deferred, []
+
+            def checked_flush():  # rows are about to change: every resident block must be in place
+                flush()
+                checked.append(resident_blocks_hold_host_data(p))
+            p.flush_deferred = checked_flush
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[:400], ids[3000:3330]]
         params = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=1),
@@ -26,11 +38,29 @@ def test_pipeline_matches_inline_path(drafter, temperature):
         runs[path] = llm.generate(prompts, params)
         if path == "on":
             assert llm.engine.runner.pipeline is not None and llm.engine.runner.pipeline.num_rows == 0
+    assert checked and all(checked)
     for ref, got in zip(runs["off"], runs["on"]):
         assert got.token_ids == ref.token_ids
         keys = ["sparse_steps", "predicted", "hits", "admitted", "evicted", "bytes_to_device", "draft_acceptance"]
         assert {k: got.stats[k] for k in keys} == {k: ref.stats[k] for k in keys}
     assert runs["on"][1].stats["admitted"] > 0 and runs["on"][1].stats["evicted"] > 0
+
+
+def resident_blocks_hold_host_data(p) -> bool:
+    """Every dynamic slot of every used row holds, in the GPU pool, the host pool's copy of the
+    block the pipeline's state says it holds."""
+    S, K, H = p.S, p.K, p.H
+    for r in range(p.num_rows):
+        start, nblk = int(p.extent_start[r]), int(p.extent_blocks[r])
+        for layer in range(p.L):
+            for h in range(H):
+                for i, b in enumerate(p.resident[layer, r * H + h].tolist()):
+                    if b < 0:
+                        continue
+                    gpu = p.kv[layer][int(p.pages[r, S + i]) * H + h]
+                    if not (gpu == p.host.items[start + (layer * nblk + b) * H + h]).all():
+                        return False
+    return True
 
 
 @pytest.mark.parametrize("temperature", [0, 0.8])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -44,6 +45,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bounds-tiling", default="64:8:3",
                    help="the prediction's bounds kernel as TILE:TILES:STAGES: blocks per tile, tiles per "
                         "program, load stages; a comma list runs sparse once per value")
+    p.add_argument("--deferred-layers", default=None,
+                   help="comma list: last layers whose transfer opens the next step (default: the pipeline's)")
     p.add_argument("--summary-dtypes", default=None,
                    help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
                         "the engine's --summary-dtype only)")
@@ -155,7 +158,7 @@ class DecodeBench:
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: str | None = None, prefetch: bool = True, stages: int = 3,
                    transfer_backend: str | None = None, bounds_tiling: str | None = None,
-                   summary_dtype: str | None = None) -> dict:
+                   summary_dtype: str | None = None, deferred_layers: int | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -182,6 +185,8 @@ class DecodeBench:
             p.prefetch = prefetch
             p.stages = stages
             p.bounds_tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
+            if deferred_layers is not None and p.deferred_layers:  # background UVA only
+                p.deferred_layers = deferred_layers
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -233,6 +238,7 @@ class DecodeBench:
                        transfer_warps=p.transfer_warps,
                        transfer_backend=p.transfer_backend,
                        bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
+                       deferred_layers=p.deferred_layers,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -391,11 +397,12 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling in args.bounds_tiling.split(","):
-                                    for summary in (args.summary_dtypes or args.summary_dtype).split(","):
-                                        record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                                transfer_backend=backend, bounds_tiling=tiling,
-                                                                summary_dtype=summary))
+                                for tiling, summary, deferred in itertools.product(
+                                        args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
+                                        _ints(args.deferred_layers) if args.deferred_layers else [None]):
+                                    record(bench.run_sparse(batch, context, transfer_programs=programs,
+                                                            transfer_backend=backend, bounds_tiling=tiling,
+                                                            summary_dtype=summary, deferred_layers=deferred))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -460,7 +467,8 @@ def print_row(r: dict) -> None:
           f"{100 * r.get('late_layer_share', 0):>5.1f} {100 * r['roofline_fraction']:>5.1f} "
           f"{'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
           f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} "
-          f"{'items ' + str(r.get('transfer_items')) + ' warps ' + str(r.get('transfer_warps')) if sp else ''}", flush=True)
+          f"{'items ' + str(r.get('transfer_items')) + ' warps ' + str(r.get('transfer_warps')) if sp else ''} "
+          f"{'deferred ' + str(r.get('deferred_layers')) if sp else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:

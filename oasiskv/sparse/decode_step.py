@@ -31,6 +31,7 @@ class SparseDecodeStep:
         if p.timing is not None:
             p.timing.start.record()
         p.step += 1
+        p.begin_step()
         tables, lens, slots, offsets = p.step_tables()
         n = p.cached[:R].long()
         positions = torch.stack([n, (n + 1).clamp_max(self.max_position - 1)], 1).view(-1)

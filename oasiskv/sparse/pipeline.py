@@ -42,6 +42,7 @@ from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.summaries import fold_keys_, summary_dtype
 
 TRANSFER_BACKENDS = ("uva", "dma")
+DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 
 
 class LookaheadPipeline:
@@ -110,6 +111,12 @@ class LookaheadPipeline:
         self.timing = None  # PipelineTiming when step timing is on
         self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
         self.stages = 3  # < 3: only the first stages run (predict; predict + select): benchmarks only
+        # The last `deferred_layers` layers' transfers start the next step instead of ending this
+        # one, and that step's layer l waits for its own (an event): the step's end then waits
+        # only on the transfers that had the step's slack (DESIGN §3 step 5). UVA backend only; by
+        # default on side streams only (in order, on CPU, nothing waits: tests may set it there).
+        self.deferred_layers = DEFERRED_LAYERS if self.background and transfer_backend == "uva" else 0
+        self.deferred_done = [torch.cuda.Event() for _ in range(L)] if self.background else []
 
     # ---- rows ----------------------------------------------------------------------
     def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
@@ -137,6 +144,7 @@ class LookaheadPipeline:
         row = len(self.owners)
         if row >= self.R:
             raise RuntimeError(f"more than {self.R} sparse requests at once")
+        self.flush_deferred()
         ext, S, K, H = ws.extent, self.S, self.K, self.H
         offset = ext.start // (self.L * H)
         self.bind(row, ws.pages, ext, offset)
@@ -159,6 +167,7 @@ class LookaheadPipeline:
     def release(self, ws) -> list[int]:
         """Free the request's row; the last used row moves into it, so used rows stay a prefix.
         Returns the row's counters (hits, missed, admitted, evicted) summed over heads (a sync)."""
+        self.flush_deferred()  # plans are per row: land them before rows move
         row, last, H = ws.row, len(self.owners) - 1, self.H
         counts = self.stats[row * H:(row + 1) * H].sum(0).tolist()
         if row != last:
@@ -239,8 +248,38 @@ class LookaheadPipeline:
                            query_len=2, draft_to=self.draft_q[layer, :B] if self.prefetch else None,
                            draft_index=1 if self.drafted else 0)
 
+    def begin_step(self) -> None:
+        """Start of a step, before its layers: the transfers the last step deferred go first on
+        the transfer stream, each recording the event its layer waits on (`before_attention`)."""
+        if not (self.deferred_layers and self.prefetch and self.stages >= 3):
+            return
+        if not self.background:  # in order (CPU): the same plans, one step later
+            for layer in range(self.L - self.deferred_layers, self.L):
+                self.transfer(layer)
+            return
+        transfer = self.streams[2]
+        transfer.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(transfer):
+            for layer in range(self.L - self.deferred_layers, self.L):
+                self.transfer(layer)
+                self.deferred_done[layer].record()
+                if self.timing is not None:
+                    self.timing.layer_done[layer].record()
+
+    def flush_deferred(self) -> None:
+        """Land the deferred transfers now and drop their plans (rows are about to change): the
+        next step's `begin_step` then moves nothing for them."""
+        if not self.deferred_layers:
+            return
+        tail = slice(self.L - self.deferred_layers, self.L)
+        for layer in range(tail.start, tail.stop):
+            self.transfer(layer)
+        self.admit_blocks[tail] = -1
+
     def before_attention(self, layer: int, q, k, meta) -> None:
-        pass
+        if self.background and self.deferred_layers and self.prefetch and self.stages >= 3 \
+                and layer >= self.L - self.deferred_layers:
+            torch.cuda.current_stream(self.device).wait_event(self.deferred_done[layer])
 
     def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta, folded: bool = False) -> None:
         """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft).
@@ -256,7 +295,7 @@ class LookaheadPipeline:
             self.predict(layer)
             if self.stages >= 2:
                 self.select(layer)
-            if self.stages >= 3:
+            if self.stages >= 3 and layer < self.L - self.deferred_layers:
                 self.transfer(layer)
             return
         predict, select, transfer = self.streams
@@ -267,6 +306,8 @@ class LookaheadPipeline:
         with torch.cuda.stream(select):
             if self.stages >= 2:
                 self.select(layer)
+        if layer >= self.L - self.deferred_layers:
+            return  # its transfer opens the next step (`begin_step`)
         transfer.wait_stream(select)
         with torch.cuda.stream(transfer):
             if self.stages >= 3:
