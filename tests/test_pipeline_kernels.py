@@ -78,24 +78,6 @@ def run_interpreter_cases() -> dict[str, float]:
                 want[d] = src[s]
         _copy_items_triton(src, dst, src_idx, dst_idx, 2)  # each program loops over items
         errors["copy_" + name] = (dst.float() - want.float()).abs().max().item()
-    from oasiskv.sparse.summaries import FP8, _fold_keys_kernel, update_block_minmax
-    for name, dtype, key_dtype in (("fp16", torch.float16, torch.float16), ("fp32", torch.float32, torch.float32),
-                                   ("fp8", FP8, torch.float16)):
-        kmin = torch.randn(10, 2, 8, generator=gen).to(dtype)
-        kmax = (kmin.float() + torch.rand(10, 2, 8, generator=gen)).to(dtype)
-        keys = (torch.randn(4, 2, 8, generator=gen) * (300 if dtype == FP8 else 1)).to(key_dtype)  # past ±448
-        blocks = torch.tensor([7, -1, 2, 5])
-        first = torch.tensor([False, True, True, False])
-        want = kmin.clone(), kmax.clone()
-        update_block_minmax(*want, blocks, keys, first)
-        # Each row's second half of a [4, 2, 3, 8] tensor (strided rows of 24) copied alongside.
-        rows = torch.randn(4, 2, 3, 8, generator=gen).to(key_dtype)
-        copied = torch.zeros(4, 3, 8, dtype=key_dtype)
-        _fold_keys_kernel[(4,)](kmin, kmax, blocks, keys, first, keys.stride(0), rows[:, 1], copied,
-                                rows.stride(0), HD=16, HDP=16, COPY=True, N=24, NP=32, FP8=dtype == FP8)
-        errors["fold_" + name] = max((kmin.float() - want[0].float()).abs().max().item(),
-                                     (kmax.float() - want[1].float()).abs().max().item(),
-                                     (copied.float() - rows[:, 1].float()).abs().max().item())
     errors.update(run_sparse_copy_cases(gen))
     return errors
 
@@ -149,11 +131,6 @@ def test_fetch_and_write_through_interpreter(interpreter_errors):
     assert interpreter_errors["fetch"] == 0.0
     assert interpreter_errors["write_through"] == 0.0
     assert interpreter_errors["write_through_moved"] == 2 * 2 * 2  # two rows x layers x heads
-
-
-@pytest.mark.parametrize("name", ["fp16", "fp32", "fp8"])
-def test_fold_keys_triton_interpreter(interpreter_errors, name):
-    assert interpreter_errors["fold_" + name] == 0.0
 
 
 if __name__ == "__main__":

@@ -20,13 +20,15 @@ CASES = {  # id: (rows R, Q, Hq, Hkv, D, dtype, q/k norm, fold: None | "kv" | "f
     "norm_fp16_q2_fold_copy_draft": (3, 2, 6, 2, 64, torch.float16, True, "kv", 1),
     "norm_fp32_q2_fp8_fold_copy_token": (4, 2, 4, 1, 128, torch.float32, True, "fp8", 0),
     "fp16_q2_fold_no_copy": (2, 2, 2, 2, 32, torch.float16, False, "kv", None),
+    "fp16_q2_fp8_fold_saturates": (3, 2, 4, 2, 32, torch.float16, False, "fp8", 1),  # keys past +-448
 }
 
 
 def make_case(R, Q, Hq, Hkv, D, dtype, norm, fold, draft, seed):
     gen = torch.Generator().manual_seed(seed)
     T, bs, NB = R * Q, 16, 3 * R
-    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen).to(dtype)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen) * (300 if fold == "fp8" and not norm else 1)
+    qkv = qkv.to(dtype)
     rot = RotaryEmbedding(D, 4096, 10000.0, None)
     positions = torch.randint(0, 4096, (T,), generator=gen)
     qw = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype) if norm else None

@@ -164,8 +164,9 @@ if triton is not None:
 
     @triton.jit
     def _fold(kmin_ptr, kmax_ptr, at, y1, y2, i, HALF: tl.constexpr, first, FP8: tl.constexpr):
-        """As `summaries.fold_keys_`: the key into its block's min / max (a new block starts
-        from the key); fp8 summaries saturate at +-448 and compare in float32."""
+        """As `summaries.update_block_minmax` for one token: the key into its block's min / max
+        (a new block starts from the key); fp8 summaries saturate at +-448 (e4m3 has no inf)
+        and compare in float32."""
         for part in tl.static_range(2):
             y = y1 if part == 0 else y2
             p = at + part * HALF + i

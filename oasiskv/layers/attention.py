@@ -41,9 +41,9 @@ class AttentionMetadata:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-           meta: AttentionMetadata, scale: float, layer: int, folded: bool = False) -> torch.Tensor:
+           meta: AttentionMetadata, scale: float, layer: int) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] (post-RoPE, already stored in kv_cache by the qkv
-    epilogue) -> [T, Hq, D]. folded: the epilogue also did the hooks' summary fold."""
+    epilogue, with the hooks' `summary_fold`) -> [T, Hq, D]."""
     if meta.hooks is not None:
         meta.hooks.before_attention(layer, q, k, meta)
     if meta.is_prefill:
@@ -57,7 +57,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         out = paged_decode(q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D),
                            kv_cache, tables, lens, scale).reshape(T, Hq, D)
     if meta.hooks is not None:
-        meta.hooks.after_attention(layer, q, k, meta, folded)
+        meta.hooks.after_attention(layer, q, k, meta)
     return out
 
 

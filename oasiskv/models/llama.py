@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
                                self.rotary.cos, self.rotary.sin, self.q_norm.weight if norm else None,
                                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                                kv_cache, meta.write_slots, meta.write_offsets, fold)
-        o = attend(q, k, v, kv_cache, meta, self.scale, self.layer, folded=fold is not None)
+        o = attend(q, k, v, kv_cache, meta, self.scale, self.layer)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 

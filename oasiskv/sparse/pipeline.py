@@ -5,12 +5,14 @@ sparse requests of a decode batch, and per layer three stages that run in the ba
     select    capped eviction: which predicted blocks come in, which LRU blocks leave
     transfer  copy the admitted (layer, block, head) items host -> their GPU slots
 
-After layer l's attention the foreground records an event and moves on to layer l+1; the
-predict stream waits on that event, the select stream on predict's, the transfer stream on
-select's. Every stage is GPU tensor work with fixed shapes (no host sync, no Python loop
-over blocks), so the whole step, foreground and pipeline, is captured in one CUDA graph;
-the streams join the foreground at the end of the step, and how long the foreground waits
-there is the pipeline stall.
+The layer's qkv epilogue folds its keys into the summaries and copies the draft queries out
+(`summary_fold`). After layer l's attention the foreground records an event and moves on to
+layer l+1; the predict stream waits on that event, the select stream on predict's, the
+transfer stream on select's. Every stage is GPU tensor work with fixed shapes (no host sync,
+no Python loop over blocks), so the whole step, foreground and pipeline, is captured in one
+CUDA graph; the streams join the foreground at the end of the step, and how long the
+foreground waits there is the pipeline stall. The last layers' transfers are left out of
+that join: they open the next step, whose layer l waits on its own (`begin_step`).
 
 State, for up to R requests ("rows"), all on the device:
     pages [R, P]            GPU pages of each row's working set; position i of head h is
@@ -39,7 +41,7 @@ from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import LOOKUP_WINDOW
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
-from oasiskv.sparse.summaries import fold_keys_, summary_dtype
+from oasiskv.sparse.summaries import summary_dtype
 
 TRANSFER_BACKENDS = ("uva", "dma")
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
@@ -251,20 +253,26 @@ class LookaheadPipeline:
     def begin_step(self) -> None:
         """Start of a step, before its layers: the transfers the last step deferred go first on
         the transfer stream, each recording the event its layer waits on (`before_attention`)."""
-        if not (self.deferred_layers and self.prefetch and self.stages >= 3):
+        deferred = self.deferred_range()
+        if not deferred:
             return
         if not self.background:  # in order (CPU): the same plans, one step later
-            for layer in range(self.L - self.deferred_layers, self.L):
+            for layer in deferred:
                 self.transfer(layer)
             return
         transfer = self.streams[2]
         transfer.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(transfer):
-            for layer in range(self.L - self.deferred_layers, self.L):
+            for layer in deferred:
                 self.transfer(layer)
                 self.deferred_done[layer].record()
                 if self.timing is not None:
                     self.timing.layer_done[layer].record()
+
+    def deferred_range(self) -> range:
+        """The layers whose transfer opens the next step (none unless the transfer stage runs)."""
+        n = self.deferred_layers if self.prefetch and self.stages >= 3 else 0
+        return range(self.L - n, self.L)
 
     def flush_deferred(self) -> None:
         """Land the deferred transfers now and drop their plans (rows are about to change): the
@@ -277,25 +285,19 @@ class LookaheadPipeline:
         self.admit_blocks[tail] = -1
 
     def before_attention(self, layer: int, q, k, meta) -> None:
-        if self.background and self.deferred_layers and self.prefetch and self.stages >= 3 \
-                and layer >= self.L - self.deferred_layers:
+        if self.background and layer in self.deferred_range():
             torch.cuda.current_stream(self.device).wait_event(self.deferred_done[layer])
 
-    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta, folded: bool = False) -> None:
-        """q: [R*2, Hq, D], k: [R*2, Hkv, D]; rows 2r (the token) and 2r+1 (its draft).
-        folded: `summary_fold` was applied by the layer's epilogue (else it is done here)."""
-        if not folded:
-            R = self.B
-            key = k.view(R, 2, self.H, self.D)[:, 0]
-            draft = q.view(R, 2, -1, self.D)[:, 1 if self.drafted else 0] if self.prefetch else None
-            self.update_summaries(layer, key, draft)
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
+        """The layer's epilogue has folded its keys and copied the draft queries out
+        (`summary_fold`): the stages start."""
         if not self.prefetch:
             return
         if not self.background:
             self.predict(layer)
             if self.stages >= 2:
                 self.select(layer)
-            if self.stages >= 3 and layer < self.L - self.deferred_layers:
+            if self.stages >= 3 and layer not in self.deferred_range():
                 self.transfer(layer)
             return
         predict, select, transfer = self.streams
@@ -306,7 +308,7 @@ class LookaheadPipeline:
         with torch.cuda.stream(select):
             if self.stages >= 2:
                 self.select(layer)
-        if layer >= self.L - self.deferred_layers:
+        if layer in self.deferred_range():
             return  # its transfer opens the next step (`begin_step`)
         transfer.wait_stream(select)
         with torch.cuda.stream(transfer):
@@ -335,13 +337,6 @@ class LookaheadPipeline:
             self.timing.joined.record()
 
     # ---- the stages ----------------------------------------------------------------
-    def update_summaries(self, layer: int, key: torch.Tensor, draft: torch.Tensor | None = None) -> None:
-        """Fold each active row's new key [B, Hkv, D] into its block's min/max; and copy the draft
-        queries [B, Hq, D] into `draft_q` (when given)."""
-        B = self.B
-        fold_keys_(self.kmin[layer], self.kmax[layer], self.summary_block[:B], key, self.first_in_block[:B],
-                   draft, self.draft_q[layer, :B] if draft is not None else None)
-
     def predict(self, layer: int) -> None:
         B, H = self.B, self.H
         score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],

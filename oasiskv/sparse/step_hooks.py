@@ -39,7 +39,7 @@ class SparseStepHooks:
             meta.slot_tables[layer, r.batch_index, :, :n] = slots[0].to(meta.slot_tables.device)
             meta.cache_lens[layer, r.batch_index] = lens[0].to(meta.cache_lens.device)
 
-    def after_attention(self, layer: int, q, k, meta, folded: bool = False) -> None:
+    def after_attention(self, layer: int, q, k, meta) -> None:
         for row, buf in self.record_rows.items():
             buf[layer] = q[row]
         m, Q = self.manager, self.query_len
