@@ -77,7 +77,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
 
 
 @pytest.mark.parametrize("flag,value", [("--transfer-programs", "6:12:24"), ("--transfer-programs", "8:x"),
-                                        ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3")])
+                                        ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3"),
+                                        ("--deferred-layers", "2,-1")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""

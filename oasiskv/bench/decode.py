@@ -186,7 +186,7 @@ class DecodeBench:
             p.stages = stages
             p.bounds_tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
             if deferred_layers is not None and p.deferred_layers:  # background UVA only
-                p.deferred_layers = deferred_layers
+                p.deferred_layers = min(deferred_layers, mc.num_layers)
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -364,6 +364,8 @@ def run_decode_bench(args) -> int:
         transfer_spec(text)
     for text in args.bounds_tiling.split(","):
         tiling_spec(text)
+    if args.deferred_layers and any(n < 0 for n in _ints(args.deferred_layers)):
+        raise ValueError(f"--deferred-layers takes counts >= 0, not {args.deferred_layers!r}")
     bench = DecodeBench(args)
     result = {"model": bench.mc.name, "dtype": str(bench.runner.dtype).removeprefix("torch."),
               "device": torch.cuda.get_device_name() if bench.runner.device.type == "cuda" else "cpu",
