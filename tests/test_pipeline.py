@@ -63,15 +63,17 @@ def resident_blocks_hold_host_data(p) -> bool:
     return True
 
 
-@pytest.mark.parametrize("temperature", [0, 0.8])
-def test_async_pipeline_steps_match_sync(temperature):
+@pytest.mark.parametrize("temperature,deferred", [(0, 0), (0.8, 0), (0, 3)])
+def test_async_pipeline_steps_match_sync(temperature, deferred):
     """Async scheduling of sparse steps (step t+1 launched on step t's samples and device-chosen
     drafts, before the host reads them) decodes what the synchronous loop decodes, with the
-    same draft acceptance, while one request finishes with the next step already in flight."""
+    same draft acceptance, while one request finishes with the next step already in flight
+    (deferred: with the last layers' transfers opening the next step, in both loops)."""
     text = open(argparse.__file__).read()
     runs = {}
     for mode in ("off", "on"):
         llm = LLM(sparse_pipeline="on", async_scheduling=mode, **BUDGET)
+        llm.engine.runner.pipeline.deferred_layers = deferred
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[:400], ids[3000:3330], ids[9000:9300]]
         params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
