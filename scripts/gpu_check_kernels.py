@@ -5,9 +5,9 @@ decode kernel as a fraction of the HBM byte roofline.
 
 Checks (bf16, fp16, fp32): the fused qkv epilogue (norm, RoPE, K/V store, summary fold) vs its
 reference; paged_decode_triton vs paged_decode_ref at small shapes and vs paged_decode_torch at
-realistic ones (B=16, Hkv=8, G=4, D=128, contexts 1K/16K/32K); each passes when ||out - ref|| / ||ref|| < 1e-2 (bf16) and every
-output element was written (outputs are NaN-poisoned first); a CUDA-graph replay after the
-lengths and slot contents change. Timing: CUDA-graph replays under triton.testing.do_bench
+realistic ones (B=16, Hkv=8, G=4, D=128, contexts 1K/16K/32K); each passes when
+||out - ref|| / ||ref|| < 1e-2 (bf16) and every output element was written (outputs are
+NaN-poisoned first); a CUDA-graph replay after the lengths and slot contents change. Timing: CUDA-graph replays under triton.testing.do_bench
 (median, L2 flushed between runs) at B in {1, 16, 64}, contexts {4K, 16K, 32K}, Qwen3-8B heads
 (Hq=32, Hkv=8, D=128, bf16). The table goes to stdout and, if $OUT is set, $OUT/kernels.json.
 The fraction is of the 4.25 TB/s device copy (read + write); a read-only stream can pass 100%.

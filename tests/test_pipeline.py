@@ -6,6 +6,7 @@ decode the same tokens and count the same hits, admissions, evictions and bytes.
 import argparse
 
 import pytest
+import torch
 
 from oasiskv import LLM, SamplingParams
 
@@ -49,17 +50,17 @@ def test_pipeline_matches_inline_path(drafter, temperature, deferred):
 def resident_blocks_hold_host_data(p) -> bool:
     """Every dynamic slot of every used row holds, in the GPU pool, the host pool's copy of the
     block the pipeline's state says it holds."""
-    S, K, H = p.S, p.K, p.H
+    S, K, H, L = p.S, p.K, p.H, p.L
+    layer = torch.arange(L)[:, None, None]
+    head = torch.arange(H)[None, :, None]
     for r in range(p.num_rows):
-        start, nblk = int(p.extent_start[r]), int(p.extent_blocks[r])
-        for layer in range(p.L):
-            for h in range(H):
-                for i, b in enumerate(p.resident[layer, r * H + h].tolist()):
-                    if b < 0:
-                        continue
-                    gpu = p.kv[layer][int(p.pages[r, S + i]) * H + h]
-                    if not (gpu == p.host.items[start + (layer * nblk + b) * H + h]).all():
-                        return False
+        blocks = p.resident[:, r * H:(r + 1) * H].long()  # [L, H, K]
+        held = blocks >= 0
+        slots = (p.pages[r, S:S + K].long()[None, None, :] * H + head).expand(L, H, K)
+        items = int(p.extent_start[r]) + (layer * int(p.extent_blocks[r]) + blocks) * H + head
+        gpu = p.kv[layer.expand(L, H, K)[held], slots[held]]
+        if not torch.equal(gpu, p.host.items[items[held]]):
+            return False
     return True
 
 

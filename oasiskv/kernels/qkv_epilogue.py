@@ -53,14 +53,16 @@ def qkv_epilogue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions
     T = qkv.shape[0]
     Hq, Hkv = num_heads, num_kv_heads
     D = qkv.shape[1] // (Hq + 2 * Hkv)
-    assert qkv.stride(1) == 1 and kv_cache.stride(-1) == 1 and D % 2 == 0
+    half = D // 2
+    assert qkv.stride(1) == 1 and kv_cache.stride(-1) == 1 and D % 2 == 0 and half & (half - 1) == 0, \
+        "the kernel takes head dims 2 * 2^n, rows and cache contiguous in the head dim"
     q = torch.empty(T, Hq, D, device=qkv.device, dtype=qkv.dtype)
     k = torch.empty(T, Hkv, D, device=qkv.device, dtype=qkv.dtype)
     v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
     if T == 0:
         return q, k, v
     norm = q_weight is not None
-    f = fold
+    f = fold  # short: it is named many times below
     copy = f is not None and f.draft_to is not None
     if copy:
         assert f.draft_to.is_contiguous() and f.draft_to.shape[1:] == (Hq, D)
@@ -74,7 +76,7 @@ def qkv_epilogue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions
         f.draft_to if copy else qkv,
         qkv.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         write_slots.stride(0), write_slots.stride(1), eps,
-        HQ=Hq, HKV=Hkv, D=D, HALF=D // 2, NORM=norm, FOLD=f is not None, COPY=copy,
+        HQ=Hq, HKV=Hkv, D=D, HALF=half, NORM=norm, FOLD=f is not None, COPY=copy,
         Q=f.query_len if f is not None else 1, DRAFT=f.draft_index if copy else 0,
         FP8=f is not None and f.kmin.dtype == torch.float8_e4m3fn, num_warps=1)
     return q, k, v

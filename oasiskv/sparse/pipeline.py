@@ -279,10 +279,10 @@ class LookaheadPipeline:
         next step's `begin_step` then moves nothing for them."""
         if not self.deferred_layers:
             return
-        tail = slice(self.L - self.deferred_layers, self.L)
-        for layer in range(tail.start, tail.stop):
+        first = self.L - self.deferred_layers
+        for layer in range(first, self.L):
             self.transfer(layer)
-        self.admit_blocks[tail] = -1
+        self.admit_blocks[first:] = -1
 
     def before_attention(self, layer: int, q, k, meta) -> None:
         if self.background and layer in self.deferred_range():
