@@ -12,8 +12,9 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
-from oasiskv.kernels.qkv_epilogue import SummaryFold, qkv_epilogue, qkv_epilogue_ref
+from oasiskv.kernels.qkv_epilogue import SummaryFold, qkv_epilogue_ref, qkv_epilogue_triton
 from oasiskv.layers.rotary import RotaryEmbedding
+from oasiskv.sparse.summaries import update_block_minmax
 
 CASES = {  # id: (rows R, Q, Hq, Hkv, D, dtype, q/k norm, fold: None | "kv" | "fp8", draft index)
     "plain_fp32_q1": (5, 1, 4, 2, 64, torch.float32, False, None, 0),
@@ -57,14 +58,44 @@ def clone_fold(f):
                        None if f.draft_to is None else f.draft_to.clone(), f.draft_index)
 
 
+def fp8_fold_as_interpreted(f_ref: SummaryFold, keys: torch.Tensor) -> None:
+    """The reference fold for fp8 summaries under the interpreter: its fp8 cast is not torch's
+    round-to-nearest-even (ties go away from zero, and rounding up into the next power of two
+    loses the carry: 1.95 -> 1.0), so the keys are cast by the interpreter first (saturated as
+    the kernel does) and folded in float32, where min / max of fp8 values are exact. The cast
+    itself is checked against torch's on the GPU (scripts/gpu_check_kernels.py)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n)
+        tl.store(y_ptr + i, tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv), mask=i < n)
+
+    flat = keys.float().contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
+    cast[(1,)](flat, out, flat.numel(), BLOCK=triton.next_power_of_2(flat.numel()))
+    lo, hi = f_ref.kmin.float(), f_ref.kmax.float()
+    update_block_minmax(lo, hi, f_ref.block_ids, out.float().view(keys.shape), f_ref.first_in_block)
+    f_ref.kmin.copy_(lo.to(f_ref.kmin.dtype))
+    f_ref.kmax.copy_(hi.to(f_ref.kmax.dtype))
+
+
 def run_interpreter_cases() -> dict[str, float]:
     errors = {}
     for name, (R, Q, Hq, Hkv, D, dtype, norm, fold, draft) in CASES.items():
         qkv, pos, cos, sin, qw, kw, cache, slots, offsets, f = make_case(R, Q, Hq, Hkv, D, dtype, norm, fold, draft,
                                                                          len(name))
         cache_ref, f_ref = cache.clone(), clone_fold(f)
-        want = qkv_epilogue_ref(qkv, Hq, Hkv, pos, cos, sin, qw, kw, 1e-6, cache_ref, slots, offsets, f_ref)
-        got = qkv_epilogue(qkv, Hq, Hkv, pos, cos, sin, qw, kw, 1e-6, cache, slots, offsets, f)
+        fp8 = f is not None and f.kmin.dtype == torch.float8_e4m3fn
+        ref_fold = None if fp8 else f_ref
+        want = qkv_epilogue_ref(qkv, Hq, Hkv, pos, cos, sin, qw, kw, 1e-6, cache_ref, slots, offsets, ref_fold)
+        if fp8:
+            fp8_fold_as_interpreted(f_ref, want[1][0::Q])
+            if f_ref.draft_to is not None:
+                f_ref.draft_to.copy_(want[0][f_ref.draft_index::Q])
+        got = qkv_epilogue_triton(qkv, Hq, Hkv, pos, cos, sin, qw, kw, 1e-6, cache, slots, offsets, f)
         worst = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
         worst = max(worst, (cache.float() - cache_ref.float()).abs().max().item())
         if f is not None:

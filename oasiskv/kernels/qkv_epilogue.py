@@ -50,6 +50,13 @@ def qkv_epilogue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions
     if not qkv.is_cuda or triton is None:
         return qkv_epilogue_ref(qkv, num_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps,
                                 kv_cache, write_slots, write_offsets, fold)
+    return qkv_epilogue_triton(qkv, num_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps,
+                               kv_cache, write_slots, write_offsets, fold)
+
+
+def qkv_epilogue_triton(qkv, num_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps,
+                        kv_cache, write_slots, write_offsets, fold=None):
+    """`qkv_epilogue`'s kernel path (any device under TRITON_INTERPRET=1: the tests)."""
     T = qkv.shape[0]
     Hq, Hkv = num_heads, num_kv_heads
     D = qkv.shape[1] // (Hq + 2 * Hkv)
