@@ -152,7 +152,7 @@ def test_dma_backend_moves_what_the_kernel_moves():
         p.last.zero_()
         p.cached[:R] = 35 * bs
         p.active[:R] = True
-        p.step_tables()
+        p.step_tables(mc.max_position_embeddings)
         p.predicted[:] = predicted.view(L, R * H, 8).int()
         for layer in range(L):
             p.select(layer)

@@ -1,7 +1,7 @@
 """The pipeline's Triton kernels against their torch forms, under TRITON_INTERPRET=1 (one
 subprocess runs this file as a script): the in-place capped eviction over several steps of
-random histories, the bounded-grid item copy (transfer / write-through), and the one-launch
-summary update. The GPU machine
+random histories, the bounded-grid item copy (transfer / write-through), and the step's
+foreground tables (one launch) on random states. The GPU machine
 checks them again in bf16 (scripts/gpu_check_pipeline.py)."""
 import json
 import os
@@ -79,7 +79,48 @@ def run_interpreter_cases() -> dict[str, float]:
         _copy_items_triton(src, dst, src_idx, dst_idx, 2)  # each program loops over items
         errors["copy_" + name] = (dst.float() - want.float()).abs().max().item()
     errors.update(run_sparse_copy_cases(gen))
+    errors.update(run_step_table_cases(gen))
     return errors
+
+
+STEP_TABLE_CASES = {  # id: (layers, rows, heads, sinks, K, window, block size)
+    "s1_k6_w3": (3, 5, 2, 1, 6, 3, 4),
+    "s0_k4_w1": (2, 4, 3, 0, 4, 1, 4),
+    "s2_k8_w4_bs2": (2, 6, 1, 2, 8, 4, 2),
+}
+
+
+def random_step_state(L, R, H, S, K, W, bs, gen):
+    """Rows at every kind of position: a block's first token (partial 0), the window still
+    reaching back into the sinks, long rows; some inactive; dynamic slots partly empty."""
+    P = S + K + W
+    cached = torch.randint(0, 40 * bs, (R,), generator=gen, dtype=torch.int32)
+    cached[0] = 2 * bs  # the window starts inside the sinks
+    cached[1] = 37 * bs  # a block's first token
+    active = torch.rand(R, generator=gen) < 0.8
+    active[:2] = True
+    pages = torch.stack([torch.randperm(4 * R * P, generator=gen)[:P] for _ in range(R)]).int()
+    resident = torch.randint(S, 40, (L, (R + 2) * H, K), generator=gen, dtype=torch.int32)  # rows past R unused
+    resident[torch.rand(resident.shape, generator=gen) < 0.3] = -1
+    summary_offset = torch.randint(0, 1000, (R,), generator=gen)
+    return cached, active, pages, resident, summary_offset
+
+
+def run_step_table_cases(gen) -> dict[str, float]:
+    """The step's foreground tables, the Triton kernel against the torch form: every output and
+    every row value equal (mismatching outputs counted)."""
+    from oasiskv.sparse.step_tables import RowState, step_tables_torch, step_tables_triton
+    out = {}
+    for name, (L, R, H, S, K, W, bs) in STEP_TABLE_CASES.items():
+        state = random_step_state(L, R, H, S, K, W, bs, gen)
+        rows = {impl: RowState(*(torch.full((R,), 7, dtype=d) for d in (torch.long, torch.long, torch.bool, torch.long,
+                                                                          torch.long, torch.long, torch.bool)))
+                for impl in ("torch", "triton")}
+        want = step_tables_torch(*state, H, S, W, bs, 120, rows["torch"])
+        got = step_tables_triton(*state, H, S, W, bs, 120, rows["triton"])
+        pairs = list(zip(want, got)) + list(zip(rows["torch"], rows["triton"]))
+        out["tables_" + name] = float(sum(not torch.equal(a, b) for a, b in pairs))
+    return out
 
 
 def run_sparse_copy_cases(gen) -> dict[str, float]:
@@ -125,6 +166,11 @@ def test_capped_eviction_triton_interpreter(interpreter_errors, name):
 @pytest.mark.parametrize("name", ["fp16", "fp32"])
 def test_copy_items_triton_interpreter(interpreter_errors, name):
     assert interpreter_errors["copy_" + name] == 0.0
+
+
+@pytest.mark.parametrize("name", list(STEP_TABLE_CASES))
+def test_step_tables_triton_interpreter(interpreter_errors, name):
+    assert interpreter_errors["tables_" + name] == 0.0
 
 
 def test_fetch_and_write_through_interpreter(interpreter_errors):

@@ -26,20 +26,16 @@ class SparseDecodeStep:
 
     @torch.inference_mode()
     def _forward(self) -> torch.Tensor:
-        p, R, H = self.pipeline, self.rows, self.pipeline.H
+        p, R = self.pipeline, self.rows
         p.B = R
         if p.timing is not None:
             p.timing.start.record()
         p.step += 1
         p.begin_step()
-        tables, lens, slots, offsets = p.step_tables()
-        n = p.cached[:R].long()
-        positions = torch.stack([n, (n + 1).clamp_max(self.max_position - 1)], 1).view(-1)
-        meta = AttentionMetadata(
-            write_slots=torch.stack([slots, torch.full_like(slots, -1)], 1).view(R * 2, H),
-            write_offsets=torch.stack([offsets, torch.zeros_like(offsets)], 1).view(-1),
-            slot_tables=tables, cache_lens=lens, query_len=2, hooks=p)
-        hidden = self.model(self.ids, positions, self.kv_caches, meta)
+        t = p.step_tables(self.max_position)
+        meta = AttentionMetadata(write_slots=t.write_slots, write_offsets=t.write_offsets, slot_tables=t.slot_tables,
+                                 cache_lens=t.cache_lens, query_len=2, hooks=p)
+        hidden = self.model(self.ids, t.positions, self.kv_caches, meta)
         p.join()
         p.cached[:R] += p.active[:R].int()  # the token is in the cache now
         return hidden

@@ -41,6 +41,7 @@ from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import LOOKUP_WINDOW
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
+from oasiskv.sparse.step_tables import RowState, StepTables, step_tables
 from oasiskv.sparse.summaries import summary_dtype
 
 TRANSFER_BACKENDS = ("uva", "dma")
@@ -197,48 +198,17 @@ class LookaheadPipeline:
         return device_drafts.next_drafts(drafter, window, lengths, drafts, tokens, guesses)
 
     # ---- the foreground's tables, from the state alone ---------------------------------
-    def step_tables(self):
-        """For the step that adds token number cached[r] to each row: slot tables [L, R, H, P]
-        (valid slots first: sinks, dynamic, full window blocks oldest first, the partial block
-        last, as the decode kernel walks them), cached-token counts [L, R, H], and where the new
-        token's K/V goes: slots [R, H] (-1 for inactive rows) and offsets [R]."""
-        S, K, W, bs, H, L, R = self.S, self.K, self.W, self.bs, self.H, self.L, self.B
-        n, active, pages = self.cached[:R].long(), self.active[:R], self.pages[:R]
-        cur, partial = n // bs, n % bs
-        win = (cur - W + 1).clamp_min(S)
-        dev = self.device
-        # The window's positions oldest block first: position (cur + 1 + i) % W holds block
-        # cur - W + 1 + i. Valid: not before the window's start, and written (the current
-        # block only once it holds a token).
-        age_order = (cur[:, None] + 1 + torch.arange(W, device=dev)) % W  # [R, W]
-        block_at = cur[:, None] - W + 1 + torch.arange(W, device=dev)
-        wvalid = (block_at >= win[:, None]) & ((block_at < cur[:, None]) | (partial[:, None] > 0))
-        # Every slot in walking order (sinks, dynamic by slot, window oldest first), and which
-        # hold a block; valid slots move to the front in that order (a prefix sum, not a sort).
-        src = torch.cat([torch.arange(S + K, device=dev).expand(R, S + K), S + K + age_order], 1)
-        valid = torch.cat([torch.ones(L, R, H, S, dtype=torch.bool, device=dev),
-                           self.resident[:, :R * H].view(L, R, H, K) >= 0,
-                           wvalid[None, :, None, :].expand(L, R, H, W)], -1)
-        n_valid = valid.sum(-1, keepdim=True)
-        dst = torch.where(valid, valid.cumsum(-1) - 1, n_valid + (~valid).cumsum(-1) - 1)
-        order = torch.empty_like(dst).scatter_(-1, dst, src[None, :, None, :].expand(L, R, H, self.P))
-        slot_pages = pages.long()[None, :, None, :].expand(L, R, H, self.P).gather(-1, order)
-        heads = torch.arange(H, device=dev)
-        tables = (slot_pages * H + heads[None, None, :, None]).int()
-        blocks = n_valid[..., 0] - (partial > 0).long()[None, :, None]
-        lens = torch.where(active[None, :, None], blocks * bs + partial[None, :, None], 0).int()
-        page = pages.long().gather(1, (S + K + cur % W)[:, None])  # [R, 1]
-        write_slots = torch.where(active[:, None], page * H + heads[None, :], -1).int()
-        # For the stages: the next step adds token n + 1; sinks and window are resident, so
-        # never predicted. And whether this token completes its block (write-through).
-        self.next_blocks[:R].copy_(torch.where(active, (n + 1) // bs + 1, 0))
-        self.next_window[:R].copy_(((n + 1) // bs - W + 1).clamp_min(S))
-        self.completes[:R].copy_(active & ((n + 1) % bs == 0))
-        self.window_slot[:R].copy_(page[:, 0] * H)
-        self.block[:R].copy_(cur)
-        self.summary_block[:R].copy_(torch.where(active, self.summary_offset[:R] + cur, -1))
-        self.first_in_block[:R].copy_(partial == 0)
-        return tables, lens, write_slots, partial.int()
+    def step_tables(self, max_position: int) -> StepTables:
+        """For the step that adds token number cached[r] to each of the first B rows: slot
+        tables [L, B, H, P] (valid slots first: sinks, dynamic, full window blocks oldest
+        first, the partial block last, as the decode kernel walks them), cached-token counts,
+        where the token's K/V goes and the positions of the token and its draft
+        (`sparse.step_tables`); the values the stages read later go to their buffers."""
+        B = self.B
+        rows = RowState(self.next_blocks[:B], self.next_window[:B], self.completes[:B], self.window_slot[:B],
+                        self.block[:B], self.summary_block[:B], self.first_in_block[:B])
+        return step_tables(self.cached[:B], self.active[:B], self.pages[:B], self.resident, self.summary_offset[:B],
+                           self.H, self.S, self.W, self.bs, max_position, rows)
 
     # ---- hooks called by the attention layer ----------------------------------------
     def summary_fold(self, layer: int) -> SummaryFold:
