@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -42,6 +42,17 @@ deferred)  # transfers of the last layers opening the next step: engine checks, 
   python3 scripts/gpu_check_sparse_engine.py --dtype float32 2>&1 | tail -3 | tee -a "$OUT/check_sparse_engine.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --deferred-layers "${DEFERRED:-0,1,2,4}" --output-json "$OUT/decode_b16_deferred.json" 2>&1 | tee "$OUT/decode_b16_deferred.log"
+  ;;
+before)  # checks, then batch 16 fp8 runs of an older tree ($OLD): the first half of a before / after pair
+  python3 scripts/gpu_check_kernels.py --working-set 2>&1 | grep -v "^PASS" | tee "$OUT/check_kernels.log"
+  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+  python3 scripts/gpu_check_sparse_engine.py --dtype float32 2>&1 | tail -3 | tee -a "$OUT/check_sparse_engine.log"
+  (cd "$OLD" && bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
+    --no-prefetch-run --output-json "$OUT/decode_b16_before.json") 2>&1 | tee "$OUT/decode_b16_before.log"
+  ;;
+after)  # the second half: this tree's batch 16 fp8 runs, across the foreground's attention splits ($SPLITS)
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
+    --attention-splits "${SPLITS:-0,1,2}" --output-json "$OUT/decode_b16_after.json" 2>&1 | tee "$OUT/decode_b16_after.log"
   ;;
 full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool)
   bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --fetch-ablation \

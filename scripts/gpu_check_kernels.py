@@ -28,6 +28,7 @@ from oasiskv.kernels.reference import paged_decode_ref
 
 PEAK_TBS = HBM_BYTES_PER_S / 1e12
 BS, HQ, HKV, D = 16, 32, 8, 128  # Qwen3-8B attention heads
+WORKING_SET_TOKENS = (1 + 128 + 4) * BS  # a sparse request's working set per (layer, kv head)
 DEV = "cuda"
 results = {"checks": [], "sweep": [], "table": []}
 
@@ -125,6 +126,27 @@ def check_qkv_epilogue(dtype, fold=None, norm=True, R=16, Q=2):
     record(f"qkv epilogue {str(dtype)[6:]} norm {norm} fold {fold}", err, 1e-2 if dtype != torch.float32 else 1e-5, written)
 
 
+def check_step_tables(L=36, R=16, H=HKV, S=1, K=128, W=4):
+    """The step's foreground tables (sparse/step_tables.py), the kernel against the torch form
+    on random pipeline states at the qwen3-8b shape: every output equal."""
+    from oasiskv.sparse.step_tables import RowState, step_tables_torch, step_tables_triton
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    P = S + K + W
+    cached = torch.randint(0, 2048 * BS, (R,), generator=gen, device=DEV, dtype=torch.int32)
+    cached[:3] = torch.tensor([2 * BS, 37 * BS, 5], dtype=torch.int32)  # window in the sinks; a block's first token
+    active = torch.rand(R, generator=gen, device=DEV) < 0.8
+    pages = torch.stack([torch.randperm(4 * R * P, generator=gen, device=DEV)[:P] for _ in range(R)]).int()
+    resident = torch.randint(S, 2048, (L, R * H, K), generator=gen, device=DEV, dtype=torch.int32)
+    resident[torch.rand(resident.shape, generator=gen, device=DEV) < 0.2] = -1
+    offsets = torch.randint(0, 10 ** 5, (R,), generator=gen, device=DEV)
+    rows = [RowState(*(torch.zeros(R, dtype=d, device=DEV) for d in (torch.long, torch.long, torch.bool, torch.long,
+                                                                  torch.long, torch.long, torch.bool))) for _ in range(2)]
+    want = step_tables_torch(cached, active, pages, resident, offsets, H, S, W, BS, 40960, rows[0])
+    got = step_tables_triton(cached, active, pages, resident, offsets, H, S, W, BS, 40960, rows[1])
+    bad = sum(not torch.equal(a, b) for a, b in list(zip(want, got)) + list(zip(*rows)))
+    record("step tables (kernel = torch form)", float(bad), 0.5)
+
+
 def check_graph_replay(dtype=torch.bfloat16, B=4, G=4, Q=2, ctx=2048):
     """Capture once, then change lengths, slot tables and cache contents in place: a replay
     must see the new values (they are read on device, nothing baked in at capture)."""
@@ -162,6 +184,27 @@ def time_decode(pool, B, ctx, cfg, num_splits=None, G=HQ // HKV, Q=1):
     return us, kv_bytes
 
 
+def time_working_set(B=16, Q=2):
+    """The sparse foreground's attention at batch 16: every (request, kv head) attends its
+    working set (1 sink + 128 dynamic + 4 window blocks), token and draft rows. Splits 1
+    (no merge launch) up to 8, across tiles, stages and warps."""
+    pool = torch.randn(B * HKV * 2048 + 64, 2, BS, D, device=DEV, dtype=torch.bfloat16)  # slots scattered as at 32K
+    results["working_set"] = []
+    print(f"\nworking set: B={B}, Q={Q}, {WORKING_SET_TOKENS} tokens per (request, kv head), bf16")
+    for splits in (1, 2, 3, 4, 6, 8):
+        for tile, warps, stages in ((8, 4, 3), (4, 4, 3), (8, 4, 4), (8, 8, 3), (16, 8, 3), (4, 4, 4)):
+            cfg = dict(tile_blocks=tile, num_warps=warps, num_stages=stages)
+            try:
+                us, nbytes = time_decode(pool, B, WORKING_SET_TOKENS, cfg, num_splits=splits, Q=Q)
+            except Exception as e:  # noqa: BLE001 (a config the compiler refuses, e.g. shared memory)
+                print(f"splits {splits} {cfg}: {e!r}"[:200])
+                continue
+            r = row(B, WORKING_SET_TOKENS, splits, us, nbytes, cfg)
+            results["working_set"].append(r)
+            print(f"splits {splits} tile {tile} warps {warps} stages {stages}: {r['us']:.1f} us, "
+                  f"{r['frac_peak']:.1%} of {PEAK_TBS} TB/s")
+
+
 def row(B, ctx, splits, us, kv_bytes, extra=None):
     gbs = kv_bytes / us / 1e3
     r = {"B": B, "ctx": ctx, "splits": splits, "us": round(us, 1), "kv_MB": round(kv_bytes / 1e6, 1),
@@ -174,6 +217,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="checks only, no timing")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile/warps/stages/splits")
+    ap.add_argument("--working-set", action="store_true",
+                    help="checks, then only the sparse working-set shape timed across splits and tilings")
     opts = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
@@ -195,11 +240,15 @@ def main():
     for ctx in (1024, 16384, 32768):
         guarded(check_decode, 16, HKV, 4, 1, ctx, torch.bfloat16, big=True)
     guarded(check_decode, 16, HKV, 4, 2, 16384, torch.float16, big=True)
+    guarded(check_decode, 16, HKV, 4, 2, WORKING_SET_TOKENS, torch.bfloat16, big=True, num_splits=1)
     guarded(check_graph_replay)
+    guarded(check_step_tables)
     n_fail = sum(not c["ok"] for c in results["checks"])
 
     try:
-        if not opts.quick:
+        if opts.working_set:
+            time_working_set()
+        elif not opts.quick:
             run_timings(props, opts.sweep)
     finally:
         if os.environ.get("OUT"):

@@ -61,24 +61,25 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     """--stage-ablation adds a predict-only and a predict + select run; the first admits
     nothing, and neither counts in the speedups. The transfer and bounds-kernel knobs are
     recorded per run; --summary-dtypes runs sparse once per summary dtype (fp8: a quarter of
-    float32's summary bytes)."""
+    float32's summary bytes). --attention-splits is recorded (CPU attention has no splits)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
-                    "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8")
+                    "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
+                    "--attention-splits", "1")
     dense, sparse, fp8, predict, select = res["runs"]
     assert (sparse["summary_dtype"], fp8["summary_dtype"]) == ("auto", "fp8")
     assert fp8["summary_bytes_per_step"] * 4 == sparse["summary_bytes_per_step"] and fp8["admitted_per_step"] > 0
     assert [r.get("pipeline_stages") for r in (sparse, predict, select)] == [3, 1, 2]
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
     assert predict["fetched_bytes_per_step"] == 0
-    knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling")
-    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2"]
+    knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling", "attention_splits")
+    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]
 
 
 @pytest.mark.parametrize("flag,value", [("--transfer-programs", "6:12:24"), ("--transfer-programs", "8:x"),
                                         ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3"),
-                                        ("--deferred-layers", "2,-1")])
+                                        ("--deferred-layers", "2,-1"), ("--attention-splits", "-2")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""

@@ -106,6 +106,8 @@ DECODE_CASES = {  # id: (B, Hkv, G, Q, D, max_blocks, dtype, kernel options)
     "g4_q2_d128_fp32_auto": (2, 1, 4, 2, 128, 4, torch.float32, {}),
     "g4_q4_fp16_split4": (1, 3, 4, 4, 64, 9, torch.float16, dict(num_splits=4)),
     "g8_q4_fp32_split1": (1, 2, 8, 4, 64, 3, torch.float32, dict(num_splits=1)),
+    # one split: the new tokens and the output in the split kernel, no merge launch
+    "g4_q2_fp16_split1_tile2": (2, 2, 4, 2, 64, 7, torch.float16, dict(num_splits=1, tile_blocks=2)),
     # several tiles per split, partial tiles at split ends
     "g2_q1_fp16_tile2_split2": (2, 2, 2, 1, 64, 11, torch.float16, dict(num_splits=2, tile_blocks=2)),
 }

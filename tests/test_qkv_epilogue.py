@@ -62,8 +62,9 @@ def fp8_fold_as_interpreted(f_ref: SummaryFold, keys: torch.Tensor) -> None:
     """The reference fold for fp8 summaries under the interpreter: its fp8 cast is not torch's
     round-to-nearest-even (ties go away from zero, and rounding up into the next power of two
     loses the carry: 1.95 -> 1.0), so the keys are cast by the interpreter first (saturated as
-    the kernel does) and folded in float32, where min / max of fp8 values are exact. The cast
-    itself is checked against torch's on the GPU (scripts/gpu_check_kernels.py)."""
+    the kernel does) and folded in float32, where min / max of fp8 values are exact. On the GPU
+    the cast is the hardware's, and scripts/gpu_check_kernels.py compares the kernel's fp8
+    summaries with torch's there."""
     import triton
     import triton.language as tl
 

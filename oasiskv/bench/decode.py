@@ -47,6 +47,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "program, load stages; a comma list runs sparse once per value")
     p.add_argument("--deferred-layers", default=None,
                    help="comma list: last layers whose transfer opens the next step (default: the pipeline's)")
+    p.add_argument("--attention-splits", default=None,
+                   help="comma list: splits per (request, kv head) of the sparse foreground's decode kernel; 0 = "
+                        "the kernel's own choice (the default), 1 = one program each and no merge launch")
     p.add_argument("--summary-dtypes", default=None,
                    help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
                         "the engine's --summary-dtype only)")
@@ -158,7 +161,8 @@ class DecodeBench:
     def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
                    transfer_programs: str | None = None, prefetch: bool = True, stages: int = 3,
                    transfer_backend: str | None = None, bounds_tiling: str | None = None,
-                   summary_dtype: str | None = None, deferred_layers: int | None = None) -> dict:
+                   summary_dtype: str | None = None, deferred_layers: int | None = None,
+                   attention_splits: int | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -187,6 +191,7 @@ class DecodeBench:
             p.bounds_tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
             if deferred_layers is not None and p.deferred_layers:  # background UVA only
                 p.deferred_layers = min(deferred_layers, mc.num_layers)
+            p.attention_splits = attention_splits or None
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -238,7 +243,7 @@ class DecodeBench:
                        transfer_warps=p.transfer_warps,
                        transfer_backend=p.transfer_backend,
                        bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
-                       deferred_layers=p.deferred_layers,
+                       deferred_layers=p.deferred_layers, attention_splits=p.attention_splits or 0,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -366,6 +371,8 @@ def run_decode_bench(args) -> int:
         tiling_spec(text)
     if args.deferred_layers and any(n < 0 for n in _ints(args.deferred_layers)):
         raise ValueError(f"--deferred-layers takes counts >= 0, not {args.deferred_layers!r}")
+    if args.attention_splits and any(n < 0 for n in _ints(args.attention_splits)):
+        raise ValueError(f"--attention-splits takes counts >= 0 (0: the kernel's choice), not {args.attention_splits!r}")
     bench = DecodeBench(args)
     result = {"model": bench.mc.name, "dtype": str(bench.runner.dtype).removeprefix("torch."),
               "device": torch.cuda.get_device_name() if bench.runner.device.type == "cuda" else "cpu",
@@ -399,12 +406,14 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred in itertools.product(
+                                for tiling, summary, deferred, splits in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
-                                        _ints(args.deferred_layers) if args.deferred_layers else [None]):
+                                        _ints(args.deferred_layers) if args.deferred_layers else [None],
+                                        _ints(args.attention_splits) if args.attention_splits else [None]):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
-                                                            summary_dtype=summary, deferred_layers=deferred))
+                                                            summary_dtype=summary, deferred_layers=deferred,
+                                                            attention_splits=splits))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -470,7 +479,8 @@ def print_row(r: dict) -> None:
           f"{'bounds ' + r.get('bounds_tiling', '') if sp else ''} "
           f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} "
           f"{'items ' + str(r.get('transfer_items')) + ' warps ' + str(r.get('transfer_warps')) if sp else ''} "
-          f"{'deferred ' + str(r.get('deferred_layers')) if sp else ''}", flush=True)
+          f"{'deferred ' + str(r.get('deferred_layers')) if sp else ''} "
+          f"{'splits ' + str(r.get('attention_splits') or 'auto') if sp else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:

@@ -5,6 +5,7 @@ Every (sequence, kv head) attends its own slot list (DESIGN §2), so one kernel 
 dense and sparse requests. The GPU kernel is split-K ("flash decoding"): the slots of
 one (sequence, head) are cut into `num_splits` ranges handled by separate programs,
 whose partial softmax states are merged, together with the new tokens, by a second kernel.
+With one split there is nothing to merge: the program attends the new tokens itself.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ LOG2E = 1.4426950408889634
 
 def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """Triton on CUDA tensors, vectorized torch otherwise. Shapes as in `paged_decode_ref`."""
+                 scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Triton on CUDA tensors (num_splits: the kernel's, None = `choose_num_splits`),
+    vectorized torch otherwise. Shapes as in `paged_decode_ref`."""
     if q.is_cuda:
-        return paged_decode_triton(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale)
+        return paged_decode_triton(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale, num_splits)
     return paged_decode_torch(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale)
 
 
@@ -102,11 +104,14 @@ if triton is not None:
             skv_slot, skv_kv, skv_tok,
             sst_b, sst_h, sl_b, sl_h,
             qk_scale, num_splits,
+            kn_ptr, vn_ptr, out_ptr, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
             G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
             M: tl.constexpr, TILE_BLKS: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr):
         """One program: (sequence b, kv head h, split s) over a contiguous range of its slots.
-        Rows are the group's G query heads x Q tokens (row r = g * Q + i), padded to M."""
+        Rows are the group's G query heads x Q tokens (row r = g * Q + i), padded to M.
+        SINGLE (one split): the program also attends the new tokens and writes the output, so
+        no merge launch follows."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -157,11 +162,18 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
-        # Partials of an empty split are never read: the merge stops at the last valid split.
-        part = (b * tl.num_programs(1) + h) * num_splits + s
-        tl.store(pm_ptr + part * M + rows, m_i, mask=row_ok)
-        tl.store(pl_ptr + part * M + rows, l_i, mask=row_ok)
-        tl.store(pacc_ptr + (part * M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
+        if SINGLE:
+            m_i, l_i, acc = _attend_new_tokens(q.to(tl.float32), m_i, l_i, acc, kn_ptr, vn_ptr, b, h, g, i,
+                                               skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, qk_scale, Q, D)
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + b * so_b + i[:, None] * so_q + (h * G + g)[:, None] * so_h + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            # Partials of an empty split are never read: the merge stops at the last valid split.
+            part = (b * tl.num_programs(1) + h) * num_splits + s
+            tl.store(pm_ptr + part * M + rows, m_i, mask=row_ok)
+            tl.store(pl_ptr + part * M + rows, l_i, mask=row_ok)
+            tl.store(pacc_ptr + (part * M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit
     def _decode_merge_kernel(
@@ -204,27 +216,37 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a_s, 0)
             m_c = m_new
 
-        # The new tokens (at most 4), one at a time with the same online update.
         g = rows // Q
         i = rows % Q
         q = tl.load(q_ptr + b * sq_b + i[:, None] * sq_q + (h * G + g)[:, None] * sq_h + d[None, :],
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
+        m_c, l_c, acc = _attend_new_tokens(q, m_c, l_c, acc, kn_ptr, vn_ptr, b, h, g, i,
+                                           skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, qk_scale, Q, D)
+        # Every row saw new token 0, so l_c > 0.
+        out = acc / l_c[:, None]
+        tl.store(out_ptr + b * so_b + i[:, None] * so_q + (h * G + g)[:, None] * so_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+    @triton.jit
+    def _attend_new_tokens(q, m_c, l_c, acc, kn_ptr, vn_ptr, b, h, g, i, skn_b, skn_q, skn_h, svn_b, svn_q,
+                           svn_h, qk_scale, Q: tl.constexpr, D: tl.constexpr):
+        """The Q new tokens (at most 4) into a row block's online-softmax state (m, l, acc; log2
+        domain), one at a time and causally: query i sees new tokens 0..i. q: [rows, D] float32."""
+        d = tl.arange(0, D)
         for j in tl.static_range(Q):
             kn = tl.load(kn_ptr + b * skn_b + j * skn_q + h * skn_h + d).to(tl.float32)
             vn = tl.load(vn_ptr + b * svn_b + j * svn_q + h * svn_h + d).to(tl.float32)
             s_j = tl.sum(q * kn[None, :], 1) * qk_scale
-            s_j = tl.where(i >= j, s_j, float("-inf"))  # causal among the new tokens
+            s_j = tl.where(i >= j, s_j, float("-inf"))
             m_new = tl.maximum(m_c, s_j)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows: avoid inf - inf
             alpha = tl.exp2(m_c - m_ref)
             p = tl.exp2(s_j - m_ref)
             l_c = l_c * alpha + p
             acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
             m_c = m_new
-        # Every row saw new token 0, so l_c > 0.
-        out = acc / l_c[:, None]
-        tl.store(out_ptr + b * so_b + i[:, None] * so_q + (h * G + g)[:, None] * so_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        return m_c, l_c, acc
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,19 +295,25 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     precision = "ieee" if (upcast or kv_cache.dtype == torch.float32) else "tf32"
     qk_scale = scale * LOG2E
 
-    pm = torch.empty(B, Hkv, num_splits, M, device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty_like(q)
+    single = num_splits == 1
+    parts = 0 if single else num_splits  # one split keeps no partials
+    pm = torch.empty(B, Hkv, parts, M, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
-    pacc = torch.empty(B, Hkv, num_splits, M, D, device=q.device, dtype=torch.float32)
+    pacc = torch.empty(B, Hkv, parts, M, D, device=q.device, dtype=torch.float32)
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, kv_cache, slot_tables, cache_lens, pm, pl, pacc,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         slot_tables.stride(0), slot_tables.stride(1), cache_lens.stride(0), cache_lens.stride(1),
         qk_scale, num_splits,
-        G=G, Q=Q, D=D, BS=bs, M=M, TILE_BLKS=tile_blocks, UPCAST=upcast, PRECISION=precision,
+        k_new, v_new, out, k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        G=G, Q=Q, D=D, BS=bs, M=M, TILE_BLKS=tile_blocks, UPCAST=upcast, PRECISION=precision, SINGLE=single,
         num_warps=num_warps, num_stages=num_stages)
-    if out is None:
-        out = torch.empty_like(q)
+    if single:
+        return out
     # Splits merged per iteration: all in flight at once, within ~32 fp32 registers a thread.
     merge_chunk = min(triton.next_power_of_2(num_splits), max(1, 4096 // (MS * D)))
     _decode_merge_kernel[(B, Hkv)](

@@ -73,6 +73,7 @@ class LookaheadPipeline:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
         self.bounds_tiling = (64, 8, 3)  # the bounds kernel's blocks per tile, tiles per program, stages
+        self.attention_splits = None  # the foreground's decode-kernel splits (None: its own choice)
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
