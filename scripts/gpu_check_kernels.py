@@ -128,8 +128,9 @@ def check_qkv_epilogue(dtype, fold=None, norm=True, R=16, Q=2):
 
 def check_step_tables(L=36, R=16, H=HKV, S=1, K=128, W=4):
     """The step's foreground tables (sparse/step_tables.py), the kernel against the torch form
-    on random pipeline states at the qwen3-8b shape: every output equal."""
-    from oasiskv.sparse.step_tables import RowState, step_tables_torch, step_tables_triton
+    on random pipeline states at the qwen3-8b shape: every output equal, the last step's
+    write-through kept."""
+    from oasiskv.sparse.step_tables import RowState, WriteThrough, step_tables_torch, step_tables_triton
     gen = torch.Generator(device=DEV).manual_seed(5)
     P = S + K + W
     cached = torch.randint(0, 2048 * BS, (R,), generator=gen, device=DEV, dtype=torch.int32)
@@ -141,9 +142,15 @@ def check_step_tables(L=36, R=16, H=HKV, S=1, K=128, W=4):
     offsets = torch.randint(0, 10 ** 5, (R,), generator=gen, device=DEV)
     rows = [RowState(*(torch.zeros(R, dtype=d, device=DEV) for d in (torch.long, torch.long, torch.bool, torch.long,
                                                                   torch.long, torch.long, torch.bool))) for _ in range(2)]
-    want = step_tables_torch(cached, active, pages, resident, offsets, H, S, W, BS, 40960, rows[0])
-    got = step_tables_triton(cached, active, pages, resident, offsets, H, S, W, BS, 40960, rows[1])
-    bad = sum(not torch.equal(a, b) for a, b in list(zip(want, got)) + list(zip(*rows)))
+    for r in rows:
+        r.completes.copy_(active)
+        r.block.copy_(cached.long() % 97)
+    last = [WriteThrough(torch.zeros(R, dtype=torch.bool, device=DEV), *torch.zeros(2, R, dtype=torch.long, device=DEV))
+            for _ in range(2)]
+    want = step_tables_torch(cached, active, pages, resident, offsets, H, S, W, BS, 40960, rows[0], last[0])
+    got = step_tables_triton(cached, active, pages, resident, offsets, H, S, W, BS, 40960, rows[1], last[1])
+    pairs = list(zip(want, got)) + list(zip(*rows)) + list(zip(*last)) + [(last[1].completes, active)]
+    bad = sum(not torch.equal(a, b) for a, b in pairs)
     record("step tables (kernel = torch form)", float(bad), 0.5)
 
 

@@ -17,10 +17,11 @@ BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, s
 @pytest.mark.parametrize("drafter,temperature,deferred", [("self", 0, 0), ("prev", 0, 0), ("self", 0.8, 0),
                                                           ("self", 0, 3)])
 def test_pipeline_matches_inline_path(drafter, temperature, deferred):
-    """deferred: the last layers' transfers open the next step (as on CUDA, in order here):
-    their plans wait a step, and land before rows move when a request finishes."""
+    """deferred: the last layers' transfers and the write-through open the next step (as on
+    CUDA, in order here): they wait a step, and land before rows move when a request finishes.
+    The host pools end equal too: every block either path completed was written through."""
     text = open(argparse.__file__).read()
-    runs = {}
+    runs, pools = {}, {}
     for path in ("off", "on"):
         llm = LLM(sparse_pipeline=path, drafter=drafter, **BUDGET)
         if path == "on":
@@ -34,12 +35,17 @@ def test_pipeline_matches_inline_path(drafter, temperature, deferred):
             p.flush_deferred = checked_flush
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[:400], ids[3000:3330]]
-        params = [SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=1),
+        # 17 tokens: the first request's last step completes a block (position 415), so with
+        # deferral its write-through is left to the flush at its release.
+        params = [SamplingParams(temperature=temperature, max_tokens=17, ignore_eos=True, seed=1),
                   SamplingParams(temperature=temperature, max_tokens=28, ignore_eos=True, seed=2)]
+        pools[path] = llm.engine.runner.sparse.host.items
+        pools[path].zero_()  # never-written items hold whatever the memory held
         runs[path] = llm.generate(prompts, params)
         if path == "on":
             assert llm.engine.runner.pipeline is not None and llm.engine.runner.pipeline.num_rows == 0
     assert checked and all(checked)
+    assert torch.equal(pools["on"], pools["off"])
     for ref, got in zip(runs["off"], runs["on"]):
         assert got.token_ids == ref.token_ids
         keys = ["sparse_steps", "predicted", "hits", "admitted", "evicted", "bytes_to_device", "draft_acceptance"]

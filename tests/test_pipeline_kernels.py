@@ -108,17 +108,21 @@ def random_step_state(L, R, H, S, K, W, bs, gen):
 
 def run_step_table_cases(gen) -> dict[str, float]:
     """The step's foreground tables, the Triton kernel against the torch form: every output and
-    every row value equal (mismatching outputs counted)."""
-    from oasiskv.sparse.step_tables import RowState, step_tables_torch, step_tables_triton
+    every row value equal, and the last step's write-through values kept (mismatching outputs
+    counted; the kept values must be the rows' values from before the call)."""
+    from oasiskv.sparse.step_tables import RowState, WriteThrough, step_tables_torch, step_tables_triton
     out = {}
+    dtypes = (torch.long, torch.long, torch.bool, torch.long, torch.long, torch.long, torch.bool)
     for name, (L, R, H, S, K, W, bs) in STEP_TABLE_CASES.items():
         state = random_step_state(L, R, H, S, K, W, bs, gen)
-        rows = {impl: RowState(*(torch.full((R,), 7, dtype=d) for d in (torch.long, torch.long, torch.bool, torch.long,
-                                                                          torch.long, torch.long, torch.bool)))
-                for impl in ("torch", "triton")}
-        want = step_tables_torch(*state, H, S, W, bs, 120, rows["torch"])
-        got = step_tables_triton(*state, H, S, W, bs, 120, rows["triton"])
-        pairs = list(zip(want, got)) + list(zip(rows["torch"], rows["triton"]))
+        before = RowState(*(torch.randint(0, 2 if d == torch.bool else 99, (R,), generator=gen).to(d) for d in dtypes))
+        rows = {impl: RowState(*(t.clone() for t in before)) for impl in ("torch", "triton")}
+        last = {impl: WriteThrough(torch.zeros(R, dtype=torch.bool), torch.zeros(R, dtype=torch.long),
+                                   torch.zeros(R, dtype=torch.long)) for impl in ("torch", "triton")}
+        want = step_tables_torch(*state, H, S, W, bs, 120, rows["torch"], last["torch"])
+        got = step_tables_triton(*state, H, S, W, bs, 120, rows["triton"], last["triton"])
+        pairs = list(zip(want, got)) + list(zip(rows["torch"], rows["triton"])) + list(zip(last["torch"], last["triton"]))
+        pairs += list(zip(last["triton"], before[2:5]))
         out["tables_" + name] = float(sum(not torch.equal(a, b) for a, b in pairs))
     return out
 

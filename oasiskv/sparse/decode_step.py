@@ -31,8 +31,8 @@ class SparseDecodeStep:
         if p.timing is not None:
             p.timing.start.record()
         p.step += 1
+        t = p.step_tables(self.max_position)  # before begin_step: it keeps the last step's write-through
         p.begin_step()
-        t = p.step_tables(self.max_position)
         meta = AttentionMetadata(write_slots=t.write_slots, write_offsets=t.write_offsets, slot_tables=t.slot_tables,
                                  cache_lens=t.cache_lens, query_len=2, num_splits=p.attention_splits, hooks=p)
         hidden = self.model(self.ids, t.positions, self.kv_caches, meta)

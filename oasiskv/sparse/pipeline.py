@@ -12,7 +12,8 @@ transfer stream on select's. Every stage is GPU tensor work with fixed shapes (n
 no Python loop over blocks), so the whole step, foreground and pipeline, is captured in one
 CUDA graph; the streams join the foreground at the end of the step, and how long the
 foreground waits there is the pipeline stall. The last layers' transfers are left out of
-that join: they open the next step, whose layer l waits on its own (`begin_step`).
+that join: they open the next step, whose layer l waits on its own (`begin_step`); so does
+the step's write-through of the blocks it completed.
 
 State, for up to R requests ("rows"), all on the device:
     pages [R, P]            GPU pages of each row's working set; position i of head h is
@@ -41,7 +42,7 @@ from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import LOOKUP_WINDOW
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
-from oasiskv.sparse.step_tables import RowState, StepTables, step_tables
+from oasiskv.sparse.step_tables import RowState, StepTables, WriteThrough, step_tables
 from oasiskv.sparse.summaries import summary_dtype
 
 TRANSFER_BACKENDS = ("uva", "dma")
@@ -121,6 +122,10 @@ class LookaheadPipeline:
         # default on side streams only (in order, on CPU, nothing waits: tests may set it there).
         self.deferred_layers = DEFERRED_LAYERS if self.background and transfer_backend == "uva" else 0
         self.deferred_done = [torch.cuda.Event() for _ in range(L)] if self.background else []
+        # The last step's write-through, kept by the step tables for the step after (deferred).
+        self.last_write = WriteThrough(torch.zeros(R, dtype=torch.bool, device=dev),
+                                       torch.zeros(R, dtype=torch.long, device=dev),
+                                       torch.zeros(R, dtype=torch.long, device=dev))
 
     # ---- rows ----------------------------------------------------------------------
     def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
@@ -208,8 +213,9 @@ class LookaheadPipeline:
         B = self.B
         rows = RowState(self.next_blocks[:B], self.next_window[:B], self.completes[:B], self.window_slot[:B],
                         self.block[:B], self.summary_block[:B], self.first_in_block[:B])
+        last = WriteThrough(*(t[:B] for t in self.last_write)) if self.defers_write_through else None
         return step_tables(self.cached[:B], self.active[:B], self.pages[:B], self.resident, self.summary_offset[:B],
-                           self.H, self.S, self.W, self.bs, max_position, rows)
+                           self.H, self.S, self.W, self.bs, max_position, rows, last)
 
     # ---- hooks called by the attention layer ----------------------------------------
     def summary_fold(self, layer: int) -> SummaryFold:
@@ -222,18 +228,23 @@ class LookaheadPipeline:
                            draft_index=1 if self.drafted else 0)
 
     def begin_step(self) -> None:
-        """Start of a step, before its layers: the transfers the last step deferred go first on
-        the transfer stream, each recording the event its layer waits on (`before_attention`)."""
+        """Start of a step, after its tables and before its layers: the last step's
+        write-through and the transfers it deferred go first on the transfer stream, each
+        transfer recording the event its layer waits on (`before_attention`)."""
         deferred = self.deferred_range()
         if not deferred:
             return
-        if not self.background:  # in order (CPU): the same plans, one step later
+        if not self.background:  # in order (CPU): the same work, one step later
+            if self.defers_write_through:
+                self.write_through(self.last_write)
             for layer in deferred:
                 self.transfer(layer)
             return
         transfer = self.streams[2]
         transfer.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(transfer):
+            if self.defers_write_through:
+                self.write_through(self.last_write)
             for layer in deferred:
                 self.transfer(layer)
                 self.deferred_done[layer].record()
@@ -245,6 +256,14 @@ class LookaheadPipeline:
         n = self.deferred_layers if self.prefetch and self.stages >= 3 else 0
         return range(self.L - n, self.L)
 
+    @property
+    def defers_write_through(self) -> bool:
+        """With transfers deferred, a step's write-through opens the next step too, so the
+        step's end waits for none of it. The completed block stays in the window ring for
+        W - 1 more blocks: with W >= 2 no token overwrites its slot and no fetch reads its host
+        copy before then (a fetch would come later on the same transfer stream anyway)."""
+        return bool(self.deferred_range()) and self.W >= 2
+
     def flush_deferred(self) -> None:
         """Land the deferred transfers now and drop their plans (rows are about to change): the
         next step's `begin_step` then moves nothing for them."""
@@ -254,6 +273,9 @@ class LookaheadPipeline:
         for layer in range(first, self.L):
             self.transfer(layer)
         self.admit_blocks[first:] = -1
+        if self.defers_write_through:  # the last step's, which the next step would have done
+            self.write_through()
+            self.completes.fill_(False)
 
     def before_attention(self, layer: int, q, k, meta) -> None:
         if self.background and layer in self.deferred_range():
@@ -290,15 +312,17 @@ class LookaheadPipeline:
 
     def join(self) -> None:
         """End of the step: a block this step completed goes to the host (write-through, so
-        the host pool holds every finished block), and the foreground waits for every stage
-        (the pipeline stall)."""
+        the host pool holds every finished block; deferred: at the next step's start), and the
+        foreground waits for every stage (the pipeline stall)."""
         if not (self.background and self.prefetch):
-            self.write_through()
+            if not self.defers_write_through:
+                self.write_through()
             return
-        transfer = self.streams[2]
-        transfer.wait_stream(torch.cuda.current_stream(self.device))  # every layer stored its token
-        with torch.cuda.stream(transfer):
-            self.write_through()
+        if not self.defers_write_through:
+            transfer = self.streams[2]
+            transfer.wait_stream(torch.cuda.current_stream(self.device))  # every layer stored its token
+            with torch.cuda.stream(transfer):
+                self.write_through()
         fg = torch.cuda.current_stream(self.device)
         if self.timing is not None:
             self.timing.foreground_done.record()
@@ -335,10 +359,12 @@ class LookaheadPipeline:
                        self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items,
                        self.transfer_warps)
 
-    def write_through(self) -> None:
+    def write_through(self, wt: WriteThrough | None = None) -> None:
+        """The blocks a step completed (this step's, or `wt`: the last step's), GPU -> host."""
         B = self.B
-        write_through(self.kv, self.host_items, self.completes[:B], self.window_slot[:B], self.extent_start[:B],
-                      self.extent_blocks[:B], self.block[:B], self.H, self.transfer_programs)
+        completes, window_slot, block = wt if wt is not None else (self.completes, self.window_slot, self.block)
+        write_through(self.kv, self.host_items, completes[:B], window_slot[:B], self.extent_start[:B],
+                      self.extent_blocks[:B], block[:B], self.H, self.transfer_programs)
 
     def transfer_on_host(self) -> None:
         """Backend "dma" (DESIGN §7: CPU gather into pinned staging, then one copy on the copy

@@ -37,6 +37,14 @@ class RowState(NamedTuple):
     first_in_block: torch.Tensor  # bool: the token starts its block
 
 
+class WriteThrough(NamedTuple):
+    """A step's write-through, [R] each: whether the row's token completed its block, head 0's
+    slot of that block, and the block. With deferred write-through the step after takes it."""
+    completes: torch.Tensor  # bool
+    window_slot: torch.Tensor  # long
+    block: torch.Tensor  # long
+
+
 class StepTables(NamedTuple):
     """What the foreground reads, for R rows x 2 query rows (token, draft) each."""
     slot_tables: torch.Tensor  # [L, R, H, P] int32
@@ -48,21 +56,22 @@ class StepTables(NamedTuple):
 
 def step_tables(cached: torch.Tensor, active: torch.Tensor, pages: torch.Tensor, resident: torch.Tensor,
                 summary_offset: torch.Tensor, num_heads: int, num_sink: int, window: int, block_size: int,
-                max_position: int, rows: RowState) -> StepTables:
+                max_position: int, rows: RowState, last: WriteThrough | None = None) -> StepTables:
     """cached [R] int32 (tokens before this step's), active [R] bool, pages [R, P] int32 (the
     rows' working-set pages, slot i of head h = pages[i] * H + h), resident [L, >= R * H, K]
     int32 (each dynamic slot's block, -1 empty; rows r * H + h, H = num_heads), summary_offset
     [R]; slots [0, S) of pages are the sinks, then K dynamic, then the window ring. Fills
-    `rows` ([R] views) and returns the tables (Triton on CUDA, `step_tables_torch` elsewhere)."""
+    `rows` ([R] views; `last` first takes the write-through values rows held, the last step's)
+    and returns the tables (Triton on CUDA, `step_tables_torch` elsewhere)."""
     if cached.is_cuda and triton is not None:
         return step_tables_triton(cached, active, pages, resident, summary_offset, num_heads, num_sink, window,
-                                  block_size, max_position, rows)
+                                  block_size, max_position, rows, last)
     return step_tables_torch(cached, active, pages, resident, summary_offset, num_heads, num_sink, window,
-                             block_size, max_position, rows)
+                             block_size, max_position, rows, last)
 
 
 def step_tables_torch(cached, active, pages, resident, summary_offset, num_heads, num_sink, window, block_size,
-                      max_position, rows: RowState) -> StepTables:
+                      max_position, rows: RowState, last: WriteThrough | None = None) -> StepTables:
     H, S, W, bs = num_heads, num_sink, window, block_size
     R, P = pages.shape
     L, K = resident.shape[0], resident.shape[2]
@@ -97,6 +106,9 @@ def step_tables_torch(cached, active, pages, resident, summary_offset, num_heads
     positions = torch.stack([n, (n + 1).clamp_max(max_position - 1)], 1).view(-1)
     # For the stages: the next step adds token n + 1; sinks and window are resident, so
     # never predicted. And whether this token completes its block (write-through).
+    if last is not None:
+        for keep, now in zip(last, (rows.completes, rows.window_slot, rows.block)):
+            keep.copy_(now)
     rows.next_blocks.copy_(torch.where(active, (n + 1) // bs + 1, 0))
     rows.next_window.copy_(((n + 1) // bs - W + 1).clamp_min(S))
     rows.completes.copy_(active & ((n + 1) % bs == 0))
@@ -108,7 +120,7 @@ def step_tables_torch(cached, active, pages, resident, summary_offset, num_heads
 
 
 def step_tables_triton(cached, active, pages, resident, summary_offset, num_heads, num_sink, window, block_size,
-                       max_position, rows: RowState) -> StepTables:
+                       max_position, rows: RowState, last: WriteThrough | None = None) -> StepTables:
     """`step_tables` in one launch: a program per (layer, row) builds that row's H tables in
     registers (the same prefix-sum compaction as the torch form); layer 0's program also
     writes the row's values."""
@@ -116,7 +128,7 @@ def step_tables_triton(cached, active, pages, resident, summary_offset, num_head
     R, P = pages.shape
     L, K = resident.shape[0], resident.shape[2]
     assert P == S + K + W and pages.is_contiguous() and resident.stride(2) == 1 and resident.stride(1) == K
-    assert all(t.is_contiguous() for t in rows)
+    assert all(t.is_contiguous() for t in rows) and (last is None or all(t.is_contiguous() for t in last))
     dev = cached.device
     tables = torch.empty(L, R, H, P, dtype=torch.int32, device=dev)
     lens = torch.empty(L, R, H, dtype=torch.int32, device=dev)
@@ -126,9 +138,9 @@ def step_tables_triton(cached, active, pages, resident, summary_offset, num_head
     if R:
         _step_tables_kernel[(L, R)](
             cached, active, pages, resident, summary_offset, tables, lens, write_slots, write_offsets, positions,
-            *rows, resident.stride(0), R, max_position,
+            *rows, *(last if last is not None else rows[2:5]), resident.stride(0), R, max_position,
             H=H, S=S, K=K, W=W, P=P, BS=block_size, HP=triton.next_power_of_2(H), PP=triton.next_power_of_2(P),
-            num_warps=4)
+            KEEP=last is not None, num_warps=4)
     return StepTables(tables, lens, write_slots, write_offsets, positions)
 
 
@@ -137,9 +149,11 @@ if triton is not None:
     @triton.jit
     def _step_tables_kernel(cached_ptr, active_ptr, pages_ptr, res_ptr, soff_ptr, tables_ptr, lens_ptr,
                             wslot_ptr, woff_ptr, pos_ptr, next_blocks_ptr, next_window_ptr, completes_ptr,
-                            window_slot_ptr, block_ptr, summary_block_ptr, first_ptr, stride_rl, R, max_position,
+                            window_slot_ptr, block_ptr, summary_block_ptr, first_ptr, last_completes_ptr,
+                            last_window_slot_ptr, last_block_ptr, stride_rl, R, max_position,
                             H: tl.constexpr, S: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                            P: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr):
+                            P: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr,
+                            KEEP: tl.constexpr):
         layer = tl.program_id(0)
         r = tl.program_id(1)
         n = tl.load(cached_ptr + r)
@@ -181,6 +195,10 @@ if triton is not None:
             tl.store(woff_ptr + 2 * r + 1, partial * 0)
             tl.store(pos_ptr + 2 * r, n.to(tl.int64))
             tl.store(pos_ptr + 2 * r + 1, tl.minimum(n + 1, max_position - 1).to(tl.int64))
+            if KEEP:  # the last step's write-through, before this step's replaces it
+                tl.store(last_completes_ptr + r, tl.load(completes_ptr + r))
+                tl.store(last_window_slot_ptr + r, tl.load(window_slot_ptr + r))
+                tl.store(last_block_ptr + r, tl.load(block_ptr + r))
             nxt = n + 1
             tl.store(next_blocks_ptr + r, tl.where(act, nxt // BS + 1, 0).to(tl.int64))
             tl.store(next_window_ptr + r, tl.maximum(nxt // BS - W + 1, S).to(tl.int64))
