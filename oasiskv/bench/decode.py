@@ -49,7 +49,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="comma list: last layers whose transfer opens the next step (default: the pipeline's)")
     p.add_argument("--attention-splits", default=None,
                    help="comma list: splits per (request, kv head) of the sparse foreground's decode kernel; 0 = "
-                        "the kernel's own choice (the default), 1 = one program each and no merge launch")
+                        "the kernel's own choice, 1 = one program each and no merge launch (the pipeline's default)")
     p.add_argument("--summary-dtypes", default=None,
                    help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
                         "the engine's --summary-dtype only)")
@@ -191,7 +191,8 @@ class DecodeBench:
             p.bounds_tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
             if deferred_layers is not None and p.deferred_layers:  # background UVA only
                 p.deferred_layers = min(deferred_layers, mc.num_layers)
-            p.attention_splits = attention_splits or None
+            if attention_splits is not None:
+                p.attention_splits = attention_splits or None
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks

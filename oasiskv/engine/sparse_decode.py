@@ -15,6 +15,7 @@ from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample, to_
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse.decode_step import SparseDecodeStep
+from oasiskv.sparse.pipeline import WORKING_SET_SPLITS
 from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
 from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
@@ -69,6 +70,7 @@ class SparseDecodeMixin:
             write_slots=torch.tensor(wslots, dtype=torch.int32, device=dev),
             write_offsets=torch.tensor(woffs, dtype=torch.int32, device=dev),
             slot_tables=slot_tables.to(dev), cache_lens=cache_lens.to(dev), query_len=Q,
+            num_splits=WORKING_SET_SPLITS if width == m.cfg.working_set_blocks else None,
             hooks=SparseStepHooks(m, rows, Q, m.cfg.drafter, record_rows=record))
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
 

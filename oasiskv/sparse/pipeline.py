@@ -46,6 +46,11 @@ from oasiskv.sparse.step_tables import RowState, StepTables, WriteThrough, step_
 from oasiskv.sparse.summaries import summary_dtype
 
 TRANSFER_BACKENDS = ("uva", "dma")
+# The decode kernel's splits per (request, kv head) over a working set. One: a working set is
+# only S + K + W blocks, and one program each (no merge launch) made the batch 16 step 0.2-0.6
+# ms faster than the kernel's own choice (4 splits) in every configuration measured on the
+# H200 (docs/benchmarks.md). The in-line path uses it too when only working sets are in a batch.
+WORKING_SET_SPLITS = 1
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 
 
@@ -74,7 +79,7 @@ class LookaheadPipeline:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
         self.bounds_tiling = (64, 8, 3)  # the bounds kernel's blocks per tile, tiles per program, stages
-        self.attention_splits = None  # the foreground's decode-kernel splits (None: its own choice)
+        self.attention_splits = WORKING_SET_SPLITS  # the foreground's decode kernel (None: its choice)
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
