@@ -47,9 +47,10 @@ from oasiskv.sparse.summaries import summary_dtype
 
 TRANSFER_BACKENDS = ("uva", "dma")
 # The decode kernel's splits per (request, kv head) over a working set. One: a working set is
-# only S + K + W blocks, and one program each (no merge launch) made the batch 16 step 0.2-0.6
-# ms faster than the kernel's own choice (4 splits) in every configuration measured on the
-# H200 (docs/benchmarks.md). The in-line path uses it too when only working sets are in a batch.
+# only S + K + W blocks, and one program each (no merge launch) made the batch 16 step 0.16-0.61
+# ms faster than the kernel's own choice (4 splits) in 7 of 8 configurations of one H200 run,
+# 0.10 ms slower in the eighth (docs/benchmarks.md). The in-line path uses it too when only
+# working sets are in a batch.
 WORKING_SET_SPLITS = 1
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 
