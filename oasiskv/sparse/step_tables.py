@@ -9,8 +9,8 @@ later in the step (the next step's block count and window, whether the token com
 block, ...).
 
 On CUDA this is one launch. The torch form, kept for CPU and as the reference, is ~60 small
-launches; they ran serially at the head of every step, before layer 0 could start (~0.2 ms
-of the batch 16 step at 32K in docs/results/sparse_profile_b16_32k_h200.json).
+launches; they ran serially at the head of every step, before layer 0 could start. As one
+launch, the batch 16 foreground on the H200 went from 6.89 to 6.67 ms (docs/benchmarks.md).
 """
 from __future__ import annotations
 
