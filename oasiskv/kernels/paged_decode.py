@@ -227,7 +227,6 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + i[:, None] * so_q + (h * G + g)[:, None] * so_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
-
     @triton.jit
     def _attend_new_tokens(q, m_c, l_c, acc, kn_ptr, vn_ptr, b, h, g, i, skn_b, skn_q, skn_h, svn_b, svn_q,
                            svn_h, qk_scale, Q: tl.constexpr, D: tl.constexpr):
