@@ -50,8 +50,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-splits", default=None,
                    help="comma list: splits per (request, kv head) of the sparse foreground's decode kernel; 0 = "
                         "the kernel's own choice, 1 = one program each and no merge launch (the pipeline's default)")
-    p.add_argument("--select-bits", default=None,
-                   help="comma list of 1 / 2: threshold bits the top-K select resolves a pass (default: the pipeline's)")
     p.add_argument("--summary-dtypes", default=None,
                    help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
                         "the engine's --summary-dtype only)")
@@ -164,7 +162,7 @@ class DecodeBench:
                    transfer_programs: str | None = None, prefetch: bool = True, stages: int = 3,
                    transfer_backend: str | None = None, bounds_tiling: str | None = None,
                    summary_dtype: str | None = None, deferred_layers: int | None = None,
-                   attention_splits: int | None = None, select_bits: int | None = None) -> dict:
+                   attention_splits: int | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 
@@ -195,7 +193,6 @@ class DecodeBench:
                 p.deferred_layers = min(deferred_layers, mc.num_layers)
             if attention_splits is not None:
                 p.attention_splits = attention_splits or None
-            p.select_bits = select_bits or p.select_bits
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
@@ -248,7 +245,6 @@ class DecodeBench:
                        transfer_backend=p.transfer_backend,
                        bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
                        deferred_layers=p.deferred_layers, attention_splits=p.attention_splits or 0,
-                       select_bits=p.select_bits,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -376,8 +372,6 @@ def run_decode_bench(args) -> int:
         tiling_spec(text)
     if args.deferred_layers and any(n < 0 for n in _ints(args.deferred_layers)):
         raise ValueError(f"--deferred-layers takes counts >= 0, not {args.deferred_layers!r}")
-    if args.select_bits and any(n not in (1, 2) for n in _ints(args.select_bits)):
-        raise ValueError(f"--select-bits takes 1 or 2, not {args.select_bits!r}")
     if args.attention_splits and any(n < 0 for n in _ints(args.attention_splits)):
         raise ValueError(f"--attention-splits takes counts >= 0 (0: the kernel's choice), not {args.attention_splits!r}")
     bench = DecodeBench(args)
@@ -413,15 +407,14 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, bits in itertools.product(
+                                for tiling, summary, deferred, splits in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
                                         _ints(args.deferred_layers) if args.deferred_layers else [None],
-                                        _ints(args.attention_splits) if args.attention_splits else [None],
-                                        _ints(args.select_bits) if args.select_bits else [None]):
+                                        _ints(args.attention_splits) if args.attention_splits else [None]):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
                                                             summary_dtype=summary, deferred_layers=deferred,
-                                                            attention_splits=splits, select_bits=bits))
+                                                            attention_splits=splits))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -488,8 +481,7 @@ def print_row(r: dict) -> None:
           f"{'summaries ' + r.get('summary_dtype', 'auto') if sp else ''} "
           f"{'items ' + str(r.get('transfer_items')) + ' warps ' + str(r.get('transfer_warps')) if sp else ''} "
           f"{'deferred ' + str(r.get('deferred_layers')) if sp else ''} "
-          f"{'splits ' + str(r.get('attention_splits') or 'auto') if sp else ''} "
-          f"{'select bits ' + str(r.get('select_bits')) if sp else ''}", flush=True)
+          f"{'splits ' + str(r.get('attention_splits') or 'auto') if sp else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:

@@ -399,7 +399,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
                  block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
                  tiles_per_program: int = 8,
-                 stages: int = 3, select_bits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                 stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
@@ -415,7 +415,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
                                    range_weight=range_weight, tiles_per_program=tiles_per_program,
-                                   stages=stages, select_bits=select_bits)
+                                   stages=stages)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -428,10 +428,8 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, tiles_per_program=8, stages=3, select_bits=1):
-    """`score_select`'s fused path: the bounds kernel, then `_select_kernel` (the radix select
-    resolving `select_bits` bits of the threshold a pass: 1 or 2)."""
-    assert select_bits in (1, 2)
+                        range_weight=RANGE_WEIGHT, tiles_per_program=8, stages=3):
+    """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
     tiles = triton.cdiv(max_blocks, block_tile)
@@ -451,7 +449,7 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
             u, tile_max, ids, vals, u.stride(0), u.stride(1), tile_max.stride(0), tile_max.stride(1),
             ids.stride(0), max_blocks, tiles, k,
             G=group_size, MP=MP, TP=triton.next_power_of_2(tiles), KP=triton.next_power_of_2(k),
-            BITS=select_bits, num_warps=8 if MP >= 4096 else 4)
+            num_warps=8 if MP >= 4096 else 4)
     return ids.view(R, Hkv, k), vals.view(R, Hkv, k)
 
 
@@ -460,8 +458,7 @@ if triton is not None:
     @triton.jit
     def _select_kernel(u_ptr, tmax_ptr, ids_ptr, vals_ptr, stride_ur, stride_uh, stride_tr, stride_th,
                        stride_o, max_blocks, num_tiles, k,
-                       G: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
-                       BITS: tl.constexpr):
+                       G: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr):
         """One program per (sequence r, kv head h): shifted-max combine of the G heads' bounds,
         then the k best blocks. The k-th largest score is found bit by bit on an order-keeping
         integer image of the floats (32 counting passes over the row, in registers); blocks
@@ -481,30 +478,12 @@ if triton is not None:
         # Floats -> int64 keys in [0, 2^32) with the same order: negative floats have their
         # magnitude bits flipped (larger magnitude = smaller), then the sign moves to the top.
         bits = s.to(tl.int32, bitcast=True)
-        if BITS == 1:
-            key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
-            thr = tl.zeros((), dtype=tl.int64)  # the largest t with at least k keys >= t
-            for i in tl.static_range(32):
-                cand = thr + (1 << (31 - i))
-                enough = tl.sum((key >= cand).to(tl.int32), axis=0) >= k
-                thr = tl.where(enough, cand, thr)
-        else:  # two bits a pass, on uint32 keys: 16 block-wide reductions instead of 32
-            key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) ^ -2147483648).to(tl.uint32, bitcast=True)
-            thr = tl.zeros((), dtype=tl.uint32)
-            one = tl.full((), 1, dtype=tl.uint32)
-            for i in tl.static_range(16):
-                c1 = thr + (one << (30 - 2 * i))
-                c2 = thr + (one << (31 - 2 * i))
-                c3 = c1 + (one << (31 - 2 * i))
-                # The three counts in one reduction: 21-bit fields of one int64 (a row has
-                # at most SELECT_MAX_BLOCKS < 2^21 keys).
-                packed = ((key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 21)
-                          + ((key >= c3).to(tl.int64) << 42))
-                total = tl.sum(packed, axis=0)
-                n1 = total & 0x1FFFFF
-                n2 = (total >> 21) & 0x1FFFFF
-                n3 = total >> 42
-                thr = tl.where(n3 >= k, c3, tl.where(n2 >= k, c2, tl.where(n1 >= k, c1, thr)))
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+        thr = tl.zeros((), dtype=tl.int64)  # the largest t with at least k keys >= t
+        for i in tl.static_range(32):
+            cand = thr + (1 << (31 - i))
+            enough = tl.sum((key >= cand).to(tl.int32), axis=0) >= k
+            thr = tl.where(enough, cand, thr)
         above = key > thr
         tie = key == thr
         take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32), axis=0)))

@@ -81,7 +81,6 @@ class LookaheadPipeline:
         self.transfer_backend = transfer_backend
         self.bounds_tiling = (64, 8, 3)  # the bounds kernel's blocks per tile, tiles per program, stages
         self.attention_splits = WORKING_SET_SPLITS  # the foreground's decode kernel (None: its choice)
-        self.select_bits = 1  # threshold bits the top-K select resolves a pass (1 or 2)
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
@@ -346,7 +345,7 @@ class LookaheadPipeline:
                      window_start=self.next_window[:B],
                      out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
                      block_tile=self.bounds_tiling[0], tiles_per_program=self.bounds_tiling[1],
-                     stages=self.bounds_tiling[2], select_bits=self.select_bits)
+                     stages=self.bounds_tiling[2])
 
     def select(self, layer: int) -> None:
         B, H = self.B, self.H
