@@ -31,6 +31,8 @@ never needs the host to know which blocks are resident.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from oasiskv.kernels.copy_items import (DEFAULT_PROGRAMS, ITEMS_PER_LOAD, NUM_WARPS, device_view,
@@ -240,20 +242,18 @@ class LookaheadPipeline:
         deferred = self.deferred_range()
         if not deferred:
             return
-        if not self.background:  # in order (CPU): the same work, one step later
+        on_stream = contextlib.nullcontext()  # in order (CPU): the same work, one step later
+        if self.background:
+            transfer = self.streams[2]
+            transfer.wait_stream(torch.cuda.current_stream(self.device))
+            on_stream = torch.cuda.stream(transfer)
+        with on_stream:
             if self.defers_write_through:
                 self.write_through(self.last_write)
             for layer in deferred:
                 self.transfer(layer)
-            return
-        transfer = self.streams[2]
-        transfer.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(transfer):
-            if self.defers_write_through:
-                self.write_through(self.last_write)
-            for layer in deferred:
-                self.transfer(layer)
-                self.deferred_done[layer].record()
+                if self.background:
+                    self.deferred_done[layer].record()
                 if self.timing is not None:
                     self.timing.layer_done[layer].record()
 

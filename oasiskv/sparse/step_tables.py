@@ -138,7 +138,8 @@ def step_tables_triton(cached, active, pages, resident, summary_offset, num_head
     if R:
         _step_tables_kernel[(L, R)](
             cached, active, pages, resident, summary_offset, tables, lens, write_slots, write_offsets, positions,
-            *rows, *(last if last is not None else rows[2:5]), resident.stride(0), R, max_position,
+            *rows, *(last if last is not None else rows[2:5]),  # (unread without KEEP)
+            resident.stride(0), R, max_position,
             H=H, S=S, K=K, W=W, P=P, BS=block_size, HP=triton.next_power_of_2(H), PP=triton.next_power_of_2(P),
             KEEP=last is not None, num_warps=4)
     return StepTables(tables, lens, write_slots, write_offsets, positions)
