@@ -6,6 +6,8 @@ writes the input token ids before each replay.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from oasiskv.layers.attention import AttentionMetadata
@@ -46,13 +48,14 @@ class SparseDecodeStep:
         # writes no KV, predicts nothing and moves nothing: the state stays as the caller set it.
         active, step = p.active.clone(), p.step.clone()
         p.active.fill_(False)  # (rows in use by running requests are untouched too)
-        self._forward()
-        torch.cuda.synchronize()
-        p.active.copy_(active)
-        p.step.copy_(step)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.hidden = self._forward()
+        with foreground_gemms(p.gemm_sm_carveout):
+            self._forward()
+            torch.cuda.synchronize()
+            p.active.copy_(active)
+            p.step.copy_(step)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.hidden = self._forward()
         torch.cuda.synchronize()
 
     @torch.inference_mode()
@@ -60,10 +63,28 @@ class SparseDecodeStep:
         """ids: [rows*2] (token, draft) per row -> hidden states [rows*2, hidden]."""
         self.ids.copy_(ids, non_blocking=True)
         if self.graph is None:
-            hidden = self._forward()
+            with foreground_gemms(self.pipeline.gemm_sm_carveout if self.pipeline.background else None):
+                hidden = self._forward()
         else:
             self.graph.replay()
             hidden = self.hidden
         if self.pipeline.transfer_backend == "dma" and self.pipeline.prefetch:
             self.pipeline.transfer_on_host()
         return hidden
+
+
+@contextlib.contextmanager
+def foreground_gemms(carveout: int | None):
+    """The step's GEMMs through cuBLASLt leaving `carveout` SMs free for the pipeline's stages
+    (`pipeline.GEMM_SM_CARVEOUT`); torch's settings come back after. None: leave them alone."""
+    if carveout is None or not torch.cuda.is_available():
+        yield
+        return
+    library, before = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(carveout or None)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+        torch.backends.cuda.preferred_blas_library(library)

@@ -54,6 +54,26 @@ TRANSFER_BACKENDS = ("uva", "dma")
 # 0.10 ms slower in the eighth (docs/benchmarks.md). The in-line path uses it too when only
 # working sets are in a batch.
 WORKING_SET_SPLITS = 1
+# ... but beside the pipeline's stages, two splits once the requests are long: the bounds
+# scan of each layer grows with the context and holds SMs while the attention runs, and
+# shorter programs balance around them. In three pairs from two H200 sessions at batch 16,
+# two splits were faster at 32K (8.31 -> 8.06, 8.04 -> 7.86, 8.03 -> 7.86 ms) and slower at
+# 16K (7.93 -> 8.16, 7.44 -> 7.68, 7.43 -> 8.10); the threshold lies between the two, not
+# measured finer.
+LONG_SCAN_BLOCKS = 1536
+
+
+def pipeline_attention_splits(max_blocks: int) -> int:
+    """The decode kernel's splits over working sets in a pipelined step whose requests have up
+    to `max_blocks` blocks (the width of the bounds scan)."""
+    return WORKING_SET_SPLITS if max_blocks < LONG_SCAN_BLOCKS else 2
+# The step's GEMMs through cuBLASLt, told to leave this many SMs to the stages (torch's SM
+# carve-out; the captured graph keeps the kernels chosen). On one H200 at batch 16, cuBLAS
+# launched 96-128 CTAs a GEMM, so the transfer programs pushed some into a second wave;
+# cuBLASLt with 8 SMs carved out launched 64-96 at the same speed alone, and o_proj and down
+# without a split-K reduce. The step went 8.00 -> 7.33 ms at 16K and 8.32 -> 8.15 ms at 32K,
+# the stall 2.3% -> 0.3% (docs/benchmarks.md).
+GEMM_SM_CARVEOUT = 8
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 
 
@@ -82,7 +102,8 @@ class LookaheadPipeline:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
         self.bounds_tiling = (64, 8, 3)  # the bounds kernel's blocks per tile, tiles per program, stages
-        self.attention_splits = WORKING_SET_SPLITS  # the foreground's decode kernel (None: its choice)
+        self.attention_splits = pipeline_attention_splits(max_blocks)  # None: the kernel's choice
+        self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
