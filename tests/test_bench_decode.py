@@ -79,9 +79,22 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
 
 @pytest.mark.parametrize("flag,value", [("--transfer-programs", "6:12:24"), ("--transfer-programs", "8:x"),
                                         ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3"),
-                                        ("--deferred-layers", "2,-1"), ("--attention-splits", "-2")])
+                                        ("--deferred-layers", "2,-1"), ("--attention-splits", "-2"),
+                                        ("--gemm-sm-carveouts", "8,-8")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""
     with pytest.raises(ValueError, match=flag):
         run_bench(tmp_path, flag, value)
+
+
+@pytest.mark.parametrize("blocks", [1, 64, 65, 130, 1029, 2053, 8200])
+def test_bounds_tiling_gives_about_three_programs_per_head(blocks):
+    """The pipeline's bounds tiling spreads any context over 3 programs a (request, kv head)
+    (fewer when there are fewer tiles)."""
+    from oasiskv.sparse.pipeline import BOUNDS_PROGRAMS_PER_HEAD, bounds_tiling
+
+    tile, per_program, _ = bounds_tiling(blocks)
+    tiles = -(-blocks // tile)
+    programs = -(-tiles // per_program)
+    assert programs == min(BOUNDS_PROGRAMS_PER_HEAD, tiles)

@@ -42,9 +42,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
-    p.add_argument("--bounds-tiling", default="64:8:3",
+    p.add_argument("--bounds-tiling", default="auto",
                    help="the prediction's bounds kernel as TILE:TILES:STAGES: blocks per tile, tiles per "
-                        "program, load stages; a comma list runs sparse once per value")
+                        "program, load stages (auto: the pipeline's, from the context); a comma list runs "
+                        "sparse once per value")
     p.add_argument("--deferred-layers", default=None,
                    help="comma list: last layers whose transfer opens the next step (default: the pipeline's)")
     p.add_argument("--attention-splits", default=None,
@@ -193,7 +194,8 @@ class DecodeBench:
             p.transfer_warps = warps or p.transfer_warps
             p.prefetch = prefetch
             p.stages = stages
-            p.bounds_tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
+            tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
+            p.bounds_tiling = tiling or p.bounds_tiling
             if deferred_layers is not None and p.deferred_layers:  # background UVA only
                 p.deferred_layers = min(deferred_layers, mc.num_layers)
             if attention_splits is not None:
@@ -362,14 +364,16 @@ def transfer_spec(text: str) -> tuple[int, int | None, int | None]:
     return parts[0], (parts[1:2] or [None])[0], (parts[2:3] or [None])[0]
 
 
-def tiling_spec(text: str) -> tuple[int, int, int]:
-    """--bounds-tiling value TILE:TILES:STAGES."""
+def tiling_spec(text: str) -> tuple[int, int, int] | None:
+    """--bounds-tiling value TILE:TILES:STAGES, or None for "auto"."""
+    if text == "auto":
+        return None
     try:
         parts = tuple(int(x) for x in text.split(":"))
     except ValueError:
         parts = ()
     if len(parts) != 3 or min(parts) < 1 or parts[0] < 16:
-        raise ValueError(f"--bounds-tiling takes TILE:TILES:STAGES (TILE >= 16), not {text!r}")
+        raise ValueError(f"--bounds-tiling takes auto or TILE:TILES:STAGES (TILE >= 16), not {text!r}")
     return parts
 
 
