@@ -35,7 +35,7 @@ epilogue)  # this tree against an older one ($OLD, e.g. `git archive REV oasiskv
   python3 scripts/gpu_check_sparse_engine.py --dtype float32 2>&1 | tail -3 | tee -a "$OUT/check_sparse_engine.log"
   runs="--sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run"
   (cd "$OLD" && bench $runs --output-json "$OUT/decode_b16_before.json") 2>&1 | tee "$OUT/decode_b16_before.log"
-  bench $runs --bounds-tiling "${TILINGS:-64:8:3}" --output-json "$OUT/decode_b16_after.json" 2>&1 | tee "$OUT/decode_b16_after.log"
+  bench $runs --bounds-tiling "${TILINGS:-auto}" --output-json "$OUT/decode_b16_after.json" 2>&1 | tee "$OUT/decode_b16_after.log"
   ;;
 deferred)  # transfers of the last layers opening the next step: engine checks, then batch 16 fp8 across deferrals
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
