@@ -27,8 +27,11 @@ def run_bench(tmp_path, *flags: str) -> dict:
 def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys, async_scheduling):
     res = run_bench(tmp_path, "--context-len", "600", "--batch-size", "2", "--batch-sizes", "2",
                     "--context-lens", "600", "--sweep", "--no-prefetch-run", "--fetch-ablation",
-                    "--gpu-kv-gb", "0.05", "--async-scheduling", async_scheduling)
+                    "--gpu-kv-gb", "0.05", "--async-scheduling", async_scheduling, "--summary-dtypes", "fp8")
     dense, sparse, fg = res["runs"]
+    # The ablation, capacity and foreground-alone runs use the sweep's summaries, not the engine default.
+    sparse_runs = [sparse, fg, *res["fetch_ablation"], res["capacity"]["sparse"]]
+    assert {r["summary_dtype"] for r in sparse_runs} == {"fp8"}
     assert dense["async_scheduling"] == sparse["async_scheduling"] == (async_scheduling == "on")
     assert (dense["mode"], sparse["mode"], fg["mode"], fg["prefetch"]) == ("dense", "sparse", "sparse", False)
     assert fg["fetched_bytes_per_step"] == 0  # the foreground alone moves nothing

@@ -58,7 +58,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="torch's preferred BLAS library for the whole session")
     p.add_argument("--summary-dtypes", default=None,
                    help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
-                        "the engine's --summary-dtype only)")
+                        "the engine's --summary-dtype only); the other sparse runs take the first")
     p.add_argument("--async-modes", default=None,
                    help="comma list of off / on: run the equal-batch part once per async-scheduling mode, side "
                         "by side (default: the engine's --async-scheduling only)")
@@ -100,6 +100,8 @@ class DecodeBench:
         r.kv.normal_()  # synthetic KV everywhere in the GPU pool
         self.host = None
         self.sparse_cfg = dataclasses.replace(cfg.sparse_config(), enabled=True)  # validates the flags
+        if args.summary_dtypes:  # runs not swept over it (ablation, capacity, no-prefetch) take the first
+            self.sparse_cfg = dataclasses.replace(self.sparse_cfg, summary_dtype=args.summary_dtypes.split(",")[0])
         self.overlap = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto" and r.device.type == "cuda")
 
     # ---- sizes ----------------------------------------------------------------------
