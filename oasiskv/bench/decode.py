@@ -55,7 +55,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="comma list: sparse runs whose GEMMs (cuBLASLt) leave N SMs to the pipeline "
                         "(0: none; default: the pipeline's GEMM_SM_CARVEOUT)")
     p.add_argument("--blas-library", choices=["default", "cublas", "cublaslt"], default="default",
-                   help="torch's preferred BLAS library for the whole session")
+                   help="torch's preferred BLAS library outside the sparse step (dense runs, logits); the "
+                        "sparse step's GEMMs run through cuBLASLt")
     p.add_argument("--summary-dtypes", default=None,
                    help="comma list of auto / fp8: run sparse once per summary dtype, side by side (default: "
                         "the engine's --summary-dtype only); the other sparse runs take the first")

@@ -48,7 +48,7 @@ class SparseDecodeStep:
         # writes no KV, predicts nothing and moves nothing: the state stays as the caller set it.
         active, step = p.active.clone(), p.step.clone()
         p.active.fill_(False)  # (rows in use by running requests are untouched too)
-        with foreground_gemms(p.gemm_sm_carveout):
+        with self._gemms():
             self._forward()
             torch.cuda.synchronize()
             p.active.copy_(active)
@@ -58,12 +58,18 @@ class SparseDecodeStep:
                 self.hidden = self._forward()
         torch.cuda.synchronize()
 
+    def _gemms(self):
+        """The GEMM settings the step runs (and is captured) under: SMs left to the stages
+        when they run beside it."""
+        p = self.pipeline
+        return foreground_gemms(p.gemm_sm_carveout if p.background else None)
+
     @torch.inference_mode()
     def run(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [rows*2] (token, draft) per row -> hidden states [rows*2, hidden]."""
         self.ids.copy_(ids, non_blocking=True)
         if self.graph is None:
-            with foreground_gemms(self.pipeline.gemm_sm_carveout if self.pipeline.background else None):
+            with self._gemms():
                 hidden = self._forward()
         else:
             self.graph.replay()

@@ -61,13 +61,20 @@ WORKING_SET_SPLITS = 1
 # 16K (7.93 -> 8.16, 7.44 -> 7.68, 7.43 -> 8.10); the threshold lies between the two, not
 # measured finer.
 LONG_SCAN_BLOCKS = 1536
-
-
 # The bounds kernel (the prediction's scan of the summaries): 64 blocks a tile, 3 load stages,
 # and about 3 programs per (request, kv head), whatever the context. In one H200 call at
 # batch 16 the step was fastest where the tiling gave 3 programs: 16K 64:8:3 (7.46 ms; 2
 # programs: 7.55), 32K 64:16:3 (7.71 ms; 5 programs: 7.87, 2: 7.94).
 BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
+# The step's GEMMs through cuBLASLt, told to leave this many SMs to the stages (torch's SM
+# carve-out; the captured graph keeps the kernels chosen). On one H200 at batch 16, cuBLAS
+# launched 96-128 CTAs a GEMM, so the transfer programs pushed some into a second wave;
+# cuBLASLt with 8 SMs carved out launched 64-96 at the same speed alone, and o_proj and down
+# without a split-K reduce. In one process the step went 7.54 -> 7.33 ms at 16K and 8.41 ->
+# 8.15 ms at 32K against cuBLASLt without the carve-out (cuBLAS, the process before: 8.00 and
+# 8.32 ms), the stall under 1% (docs/benchmarks.md).
+GEMM_SM_CARVEOUT = 8
+DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 
 
 def bounds_tiling(max_blocks: int) -> tuple[int, int, int]:
@@ -80,14 +87,6 @@ def pipeline_attention_splits(max_blocks: int) -> int:
     """The decode kernel's splits over working sets in a pipelined step whose requests have up
     to `max_blocks` blocks (the width of the bounds scan)."""
     return WORKING_SET_SPLITS if max_blocks < LONG_SCAN_BLOCKS else 2
-# The step's GEMMs through cuBLASLt, told to leave this many SMs to the stages (torch's SM
-# carve-out; the captured graph keeps the kernels chosen). On one H200 at batch 16, cuBLAS
-# launched 96-128 CTAs a GEMM, so the transfer programs pushed some into a second wave;
-# cuBLASLt with 8 SMs carved out launched 64-96 at the same speed alone, and o_proj and down
-# without a split-K reduce. The step went 8.00 -> 7.33 ms at 16K and 8.32 -> 8.15 ms at 32K,
-# the stall 2.3% -> 0.3% (docs/benchmarks.md).
-GEMM_SM_CARVEOUT = 8
-DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 
 
 class LookaheadPipeline:
