@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -53,6 +53,13 @@ before)  # checks, then batch 16 fp8 runs of an older tree ($OLD): the first hal
 after)  # the second half: this tree's batch 16 fp8 runs, across the foreground's attention splits ($SPLITS)
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --attention-splits "${SPLITS:-0,1,2}" --output-json "$OUT/decode_b16_after.json" 2>&1 | tee "$OUT/decode_b16_after.log"
+  ;;
+acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
+  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+  bench --sweep --batch-sizes 16 --context-lens 32768,16384 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
+    --fetch-ablation --batch-size 16 --context-len 32768 --output-json "$OUT/decode_acceptance.json" 2>&1 | tee "$OUT/decode_acceptance.log"
+  bench --gpu-kv-gb 24 --context-len 32768 --steps 32 --summary-dtypes fp8 --output-json "$OUT/decode_capacity.json" \
+    2>&1 | tee "$OUT/decode_capacity.log"
   ;;
 full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool)
   bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --fetch-ablation \
