@@ -248,6 +248,7 @@ def main():
         guarded(check_decode, 16, HKV, 4, 1, ctx, torch.bfloat16, big=True)
     guarded(check_decode, 16, HKV, 4, 2, 16384, torch.float16, big=True)
     guarded(check_decode, 16, HKV, 4, 2, WORKING_SET_TOKENS, torch.bfloat16, big=True, num_splits=1)
+    guarded(check_decode, 16, HKV, 4, 2, WORKING_SET_TOKENS, torch.bfloat16, big=True, num_splits=1, num_stages=5)
     guarded(check_graph_replay)
     guarded(check_step_tables)
     n_fail = sum(not c["ok"] for c in results["checks"])

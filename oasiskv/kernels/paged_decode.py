@@ -16,15 +16,23 @@ import os
 import torch
 
 LOG2E = 1.4426950408889634
+# Software-pipeline stages of the split kernel. Triton (3.6, sm_90) gives the slot load the
+# first stage and K/V the second, so 3 and 4 stages keep one K/V tile in flight per program
+# and 5 keeps two (140 KB of shared memory instead of 74 KB: one program per SM, not three).
+# Compiled on the CPU: scripts/inspect_decode_kernel.py. Dense runs many programs per SM and
+# needs no deeper pipeline; a working set's one short wave may.
+DECODE_STAGES = 3
 
 
 def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
-                 scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """Triton on CUDA tensors (num_splits: the kernel's, None = `choose_num_splits`),
-    vectorized torch otherwise. Shapes as in `paged_decode_ref`."""
+                 scale: float, num_splits: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """Triton on CUDA tensors (num_splits: the kernel's, None = `choose_num_splits`; num_stages:
+    its software pipeline, None = `DECODE_STAGES`), vectorized torch otherwise. Shapes as in
+    `paged_decode_ref`."""
     if q.is_cuda:
-        return paged_decode_triton(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale, num_splits)
+        return paged_decode_triton(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale, num_splits,
+                                   num_stages=num_stages or DECODE_STAGES)
     return paged_decode_torch(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale)
 
 
@@ -269,7 +277,7 @@ def choose_num_splits(batch_heads: int, max_blocks: int, num_sms: int,
 def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                         kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
                         scale: float, num_splits: int | None = None, tile_blocks: int = 8,
-                        num_warps: int = 4, num_stages: int = 3,
+                        num_warps: int = 4, num_stages: int = DECODE_STAGES,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K flash decoding; same contract as `paged_decode_ref`. CUDA-graph capturable:
     launch sizes come from tensor shapes only, the valid lengths are read on device.

@@ -115,6 +115,7 @@ class LookaheadPipeline:
         self.transfer_backend = transfer_backend
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
         self.attention_splits = pipeline_attention_splits(max_blocks)  # None: the kernel's choice
+        self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
