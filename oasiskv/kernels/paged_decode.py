@@ -18,7 +18,7 @@ import torch
 LOG2E = 1.4426950408889634
 # Software-pipeline stages of the split kernel. Triton (3.6, sm_90) gives the slot load the
 # first stage and K/V the second, so 3 and 4 stages keep one K/V tile in flight per program
-# and 5 keeps two (140 KB of shared memory instead of 74 KB: one program per SM, not three).
+# and 5 keeps two (137 KiB of shared memory instead of 72 KiB: one program per SM, not three).
 # Compiled on the CPU: scripts/inspect_decode_kernel.py. Dense runs many programs per SM and
 # needs no deeper pipeline; a working set's one short wave may.
 DECODE_STAGES = 3
