@@ -68,7 +68,7 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     attention has neither)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
                     "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
-                    "--attention-splits", "1", "--attention-stages", "5")
+                    "--attention-splits", "1", "--attention-stages", "5", "--transfer-index-prefetch", "on")
     dense, sparse, fp8, predict, select = res["runs"]
     assert (sparse["summary_dtype"], fp8["summary_dtype"]) == ("auto", "fp8")
     assert fp8["summary_bytes_per_step"] * 4 == sparse["summary_bytes_per_step"] and fp8["admitted_per_step"] > 0
@@ -76,8 +76,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
     assert predict["fetched_bytes_per_step"] == 0
     knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling", "attention_splits",
-             "attention_stages")
-    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5]
+             "attention_stages", "transfer_index_prefetch")
+    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, True]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]
 
@@ -85,7 +85,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
 @pytest.mark.parametrize("flag,value", [("--transfer-programs", "6:12:24"), ("--transfer-programs", "8:x"),
                                         ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3"),
                                         ("--deferred-layers", "2,-1"), ("--attention-splits", "-2"),
-                                        ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0")])
+                                        ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0"),
+                                        ("--transfer-index-prefetch", "yes")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""
@@ -105,18 +106,26 @@ def test_bounds_tiling_gives_about_three_programs_per_head(blocks):
     assert programs == min(BOUNDS_PROGRAMS_PER_HEAD, tiles)
 
 
-def test_bench_decode_attention_knobs_reach_the_decode_kernel(tmp_path, monkeypatch):
-    """--attention-splits and --attention-stages arrive at every sparse step's decode call
-    (on CPU the torch path ignores them; on CUDA they are the Triton kernel's)."""
+def test_bench_decode_kernel_knobs_reach_their_kernels(tmp_path, monkeypatch):
+    """--attention-splits / --attention-stages arrive at every sparse step's decode call and
+    --transfer-index-prefetch at every transfer (on CPU the torch paths ignore them; on CUDA
+    they are the Triton kernels')."""
     import oasiskv.layers.attention as attention
+    import oasiskv.sparse.pipeline as pipeline
 
-    seen, real = set(), attention.paged_decode
+    decode_calls, fetch_calls = set(), set()
+    real_decode, real_fetch = attention.paged_decode, pipeline.fetch_admitted
 
-    def spy(*args):
-        seen.add(args[7:9])  # num_splits, num_stages
-        return real(*args)
+    def decode_spy(*args):
+        decode_calls.add(args[7:9])  # num_splits, num_stages
+        return real_decode(*args)
 
-    monkeypatch.setattr(attention, "paged_decode", spy)
+    def fetch_spy(*args):
+        fetch_calls.add(args[-1])  # prefetch_indices
+        return real_fetch(*args)
+
+    monkeypatch.setattr(attention, "paged_decode", decode_spy)
+    monkeypatch.setattr(pipeline, "fetch_admitted", fetch_spy)
     run_bench(tmp_path, "--mode", "sparse", "--context-len", "600", "--batch-size", "2",
-              "--attention-splits", "2", "--attention-stages", "5")
-    assert seen == {(2, 5)}
+              "--attention-splits", "2", "--attention-stages", "5", "--transfer-index-prefetch", "on")
+    assert decode_calls == {(2, 5)} and fetch_calls == {True}
