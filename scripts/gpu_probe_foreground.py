@@ -3,9 +3,10 @@
 1. The decode GEMMs (Qwen3-8B shapes, 32 rows: token + draft of 16 requests) under cuBLAS
    and cuBLASLt, with torch's SM carve-out off / 4 / 8 SMs: which kernel each picks, how many
    CTAs it launches, and its time alone.
-2. The working-set attention (1 + 128 + 4 blocks per (request, kv head)) as the batch grows at
-   one split: does the kernel's rate per byte rise with more programs (a single short wave
-   that leaves memory latency exposed) or stay flat (a per-SM limit)?
+2. The working-set attention (1 + 128 + 4 blocks per (request, kv head)) as the batch grows,
+   at 1 and 2 splits and a few tilings and pipeline depths: does the kernel's rate per byte
+   rise with more programs or more tiles in flight (a single short wave that leaves memory
+   latency exposed) or stay flat (a per-SM limit)?
 
     PYTHONPATH=. python3 scripts/gpu_probe_foreground.py   # JSON to $OUT/probe_foreground.json
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import torch
 import triton
@@ -41,10 +43,11 @@ def kernel_launches(fn) -> list[dict]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    path = "/tmp/probe_trace.json"
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
     return [{"name": e["name"][:70], "grid": e.get("args", {}).get("grid"), "us": e.get("dur")}
             for e in events if e.get("cat") == "kernel"]
 
@@ -63,8 +66,8 @@ def probe_gemms() -> list[dict]:
                 fn = lambda i: torch.nn.functional.linear(xs[name], w[i % 4])  # noqa: E731
                 alone = graph_us(fn)
                 launches = kernel_launches(lambda: fn(0))
-                r = {"backend": backend, "carveout": carveout, "gemm": name, "us_alone": round(alone, 2), "kernels": launches}
-                rows.append(r)
+                rows.append({"backend": backend, "carveout": carveout, "gemm": name, "us_alone": round(alone, 2),
+                             "kernels": launches})
                 print(f"{backend:9s} carveout {carveout}  {name:8s} {alone:6.1f} us  "
                       f"{[(k['name'][:40], k['grid']) for k in launches]}")
     torch._C._set_sm_carveout_experimental(None)
