@@ -85,6 +85,7 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
 
 @pytest.mark.parametrize("flag,value", [("--transfer-programs", "6:12:24"), ("--transfer-programs", "8:x"),
                                         ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3"),
+                                        ("--bounds-tiling", "64:auto:x"),
                                         ("--deferred-layers", "2,-1"), ("--attention-splits", "-2"),
                                         ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0"),
                                         ("--transfer-index-prefetch", "yes"), ("--stage-starts", "early")])
@@ -105,6 +106,18 @@ def test_bounds_tiling_gives_about_three_programs_per_head(blocks):
     tiles = -(-blocks // tile)
     programs = -(-tiles // per_program)
     assert programs == min(BOUNDS_PROGRAMS_PER_HEAD, tiles)
+
+
+def test_bench_decode_bounds_tiling_auto_tiles_follow_the_context(tmp_path):
+    """TILE:auto:STAGES keeps the tile and stages asked for and takes the tiles per program
+    from the pipeline's rule at each context."""
+    from oasiskv.sparse.pipeline import bounds_tiling
+
+    res = run_bench(tmp_path, "--mode", "sparse", "--sweep", "--batch-sizes", "2", "--context-lens", "600,2000",
+                    "--bounds-tiling", "32:auto:1")
+    # The bench's requests hold a few blocks past the context (room for the timed steps).
+    assert [r["bounds_tiling"] for r in res["runs"]] == ["32:1:1", "32:2:1"]
+    assert bounds_tiling(2000 // 16 + 8, 32, 1) == (32, 2, 1)
 
 
 def test_bench_decode_kernel_knobs_reach_their_kernels(tmp_path, monkeypatch):

@@ -44,8 +44,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
     p.add_argument("--bounds-tiling", default="auto",
                    help="the prediction's bounds kernel as TILE:TILES:STAGES: blocks per tile, tiles per "
-                        "program, load stages (auto: the pipeline's, from the context); a comma list runs "
-                        "sparse once per value")
+                        "program, load stages (auto: the pipeline's, from the context; TILES auto: ~3 programs a "
+                        "request and kv head, e.g. 64:auto:1); a comma list runs sparse once per value")
     p.add_argument("--deferred-layers", default=None,
                    help="comma list: last layers whose transfer opens the next step (default: the pipeline's)")
     p.add_argument("--attention-splits", default=None,
@@ -186,6 +186,7 @@ class DecodeBench:
                    stage_start: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
+        from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
 
         r, mc, bs = self.runner, self.mc, self.bs
         cfg = dataclasses.replace(self.sparse_cfg, fetch_ratio=fetch_ratio or self.sparse_cfg.fetch_ratio,
@@ -210,7 +211,8 @@ class DecodeBench:
             p.prefetch = prefetch
             p.stages = stages
             tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
-            p.bounds_tiling = tiling or p.bounds_tiling
+            if tiling is not None:
+                p.bounds_tiling = tiling if tiling[1] else pipeline_bounds_tiling(nb, tiling[0], tiling[2])
             if deferred_layers is not None and p.deferred_layers:  # background UVA only
                 p.deferred_layers = min(deferred_layers, mc.num_layers)
             if attention_splits is not None:
@@ -383,16 +385,18 @@ def transfer_spec(text: str) -> tuple[int, int | None, int | None]:
     return parts[0], (parts[1:2] or [None])[0], (parts[2:3] or [None])[0]
 
 
-def tiling_spec(text: str) -> tuple[int, int, int] | None:
-    """--bounds-tiling value TILE:TILES:STAGES, or None for "auto"."""
+def tiling_spec(text: str) -> tuple[int, int | None, int] | None:
+    """--bounds-tiling value TILE:TILES:STAGES (TILES may be auto: the pipeline's programs per
+    head), or None for "auto"."""
     if text == "auto":
         return None
     try:
-        parts = tuple(int(x) for x in text.split(":"))
+        parts = tuple(None if i == 1 and x == "auto" else int(x) for i, x in enumerate(text.split(":")))
     except ValueError:
         parts = ()
-    if len(parts) != 3 or min(parts) < 1 or parts[0] < 16:
-        raise ValueError(f"--bounds-tiling takes auto or TILE:TILES:STAGES (TILE >= 16), not {text!r}")
+    if len(parts) != 3 or min(x for x in parts if x is not None) < 1 or parts[0] < 16:
+        raise ValueError(f"--bounds-tiling takes auto or TILE:TILES:STAGES (TILE >= 16, TILES a count or auto), "
+                         f"not {text!r}")
     return parts
 
 

@@ -84,10 +84,11 @@ STAGE_STARTS = ("attention", "epilogue")
 STAGE_START = "attention"
 
 
-def bounds_tiling(max_blocks: int) -> tuple[int, int, int]:
-    """(blocks per tile, tiles per program, stages) of the bounds kernel over `max_blocks`."""
-    tiles = -(-max_blocks // BOUNDS_TILE)
-    return BOUNDS_TILE, max(1, -(-tiles // BOUNDS_PROGRAMS_PER_HEAD)), BOUNDS_STAGES
+def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
+    """(blocks per tile, tiles per program, stages) of the bounds kernel over `max_blocks`: the
+    tiles per program that give each (request, kv head) about BOUNDS_PROGRAMS_PER_HEAD programs."""
+    tiles = -(-max_blocks // tile)
+    return tile, max(1, -(-tiles // BOUNDS_PROGRAMS_PER_HEAD)), stages
 
 
 def pipeline_attention_splits(max_blocks: int) -> int:
