@@ -41,11 +41,7 @@ def main():
     ap.add_argument("--summary-dtype", default="auto", help="auto | fp8")
     ap.add_argument("--stage-start", default=None, choices=pipeline.STAGE_STARTS,
                     help="where the pipeline's predict and select start (default: the pipeline's)")
-    ap.add_argument("--predict-programs", default=None,
-                    help="BOUNDS:SELECT bounded grids of the prediction's kernels (default: the pipeline's)")
     a = ap.parse_args()
-    if a.predict_programs:
-        pipeline.PREDICT_PROGRAMS = tuple(int(n) or None for n in a.predict_programs.split(":"))
     if a.stage_start:
         pipeline.STAGE_START = a.stage_start  # read by every pipeline the engines below build
     common = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.prompt_len + a.steps + 16, max_num_seqs=4,
@@ -92,7 +88,6 @@ def main():
                   for x, y in zip(capped["on", "on"], capped["on", "off"])]
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
            "summary_dtype": a.summary_dtype, "stage_start": pipeline.STAGE_START,
-           "predict_programs": pipeline.PREDICT_PROGRAMS,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,

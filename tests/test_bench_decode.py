@@ -69,7 +69,7 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
                     "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
                     "--attention-splits", "1", "--attention-stages", "5", "--transfer-index-prefetch", "on",
-                    "--stage-starts", "epilogue", "--predict-programs", "3:2")
+                    "--stage-starts", "epilogue")
     dense, sparse, fp8, predict, select = res["runs"]
     assert (sparse["summary_dtype"], fp8["summary_dtype"]) == ("auto", "fp8")
     assert fp8["summary_bytes_per_step"] * 4 == sparse["summary_bytes_per_step"] and fp8["admitted_per_step"] > 0
@@ -77,8 +77,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
     assert predict["fetched_bytes_per_step"] == 0
     knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling", "attention_splits",
-             "attention_stages", "transfer_index_prefetch", "stage_start", "predict_programs")
-    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, True, "epilogue", "3:2"]
+             "attention_stages", "transfer_index_prefetch", "stage_start")
+    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, True, "epilogue"]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]
 
@@ -88,8 +88,7 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
                                         ("--bounds-tiling", "64:auto:x"),
                                         ("--deferred-layers", "2,-1"), ("--attention-splits", "-2"),
                                         ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0"),
-                                        ("--transfer-index-prefetch", "yes"), ("--stage-starts", "early"),
-                                        ("--predict-programs", "8:-1"), ("--predict-programs", "8:8:8")])
+                                        ("--transfer-index-prefetch", "yes"), ("--stage-starts", "early")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""

@@ -58,9 +58,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-index-prefetch", default="off",
                    help="comma list of off / on: the UVA transfer programs read the next round's plan entries "
                         "while this round's host reads are in flight")
-    p.add_argument("--predict-programs", default=None,
-                   help="comma list: bounded grids of the prediction's bounds and select kernels as BOUNDS[:SELECT] "
-                        "persistent programs (0: one program per item; default: the pipeline's)")
     p.add_argument("--stage-starts", default=None,
                    help="comma list of attention / epilogue: a layer's predict and select start after its "
                         "attention, or beside it once the qkv epilogue is done (default: the pipeline's)")
@@ -186,7 +183,7 @@ class DecodeBench:
                    summary_dtype: str | None = None, deferred_layers: int | None = None,
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
                    attention_stages: int | None = None, index_prefetch: bool = False,
-                   stage_start: str | None = None, predict_programs: str | None = None) -> dict:
+                   stage_start: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -241,8 +238,6 @@ class DecodeBench:
             p.attention_stages = attention_stages
             p.transfer_index_prefetch = index_prefetch
             p.stage_start = stage_start or p.stage_start
-            if predict_programs is not None:
-                p.predict_programs = programs_spec(predict_programs)
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
@@ -281,7 +276,6 @@ class DecodeBench:
                        deferred_layers=p.deferred_layers, attention_splits=p.attention_splits or 0,
                        gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
                        transfer_index_prefetch=p.transfer_index_prefetch, stage_start=p.stage_start,
-                       predict_programs=":".join(str(n or 0) for n in p.predict_programs),
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -391,18 +385,6 @@ def transfer_spec(text: str) -> tuple[int, int | None, int | None]:
     return parts[0], (parts[1:2] or [None])[0], (parts[2:3] or [None])[0]
 
 
-def programs_spec(text: str) -> tuple[int | None, int | None]:
-    """--predict-programs value BOUNDS[:SELECT] (SELECT defaults to BOUNDS; 0: a full grid)."""
-    try:
-        parts = [int(x) for x in text.split(":")]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 2 or min(parts) < 0:
-        raise ValueError(f"--predict-programs takes BOUNDS[:SELECT] counts >= 0 (0: a full grid), not {text!r}")
-    bounds, select = parts[0], parts[-1]
-    return bounds or None, select or None
-
-
 def tiling_spec(text: str) -> tuple[int, int | None, int] | None:
     """--bounds-tiling value TILE:TILES:STAGES (TILES may be auto: the pipeline's programs per
     head), or None for "auto"."""
@@ -433,8 +415,6 @@ def run_decode_bench(args) -> int:
         raise ValueError(f"--transfer-index-prefetch takes off / on, not {args.transfer_index_prefetch!r}")
     from oasiskv.sparse.pipeline import STAGE_STARTS
 
-    for text in (args.predict_programs or "0").split(","):
-        programs_spec(text)
     if args.stage_starts and set(args.stage_starts.split(",")) - set(STAGE_STARTS):
         raise ValueError(f"--stage-starts takes {' / '.join(STAGE_STARTS)}, not {args.stage_starts!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
@@ -474,21 +454,20 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, carveout, stages, prefetch, start, predict in itertools.product(
+                                for tiling, summary, deferred, splits, carveout, stages, prefetch, start in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
                                         _ints(args.deferred_layers) if args.deferred_layers else [None],
                                         _ints(args.attention_splits) if args.attention_splits else [None],
                                         _ints(args.gemm_sm_carveouts) if args.gemm_sm_carveouts else [None],
                                         _ints(args.attention_stages) if args.attention_stages else [None],
                                         [v == "on" for v in args.transfer_index_prefetch.split(",")],
-                                        args.stage_starts.split(",") if args.stage_starts else [None],
-                                        args.predict_programs.split(",") if args.predict_programs else [None]):
+                                        args.stage_starts.split(",") if args.stage_starts else [None]):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
                                                             summary_dtype=summary, deferred_layers=deferred,
                                                             attention_splits=splits, gemm_sm_carveout=carveout,
                                                             attention_stages=stages, index_prefetch=prefetch,
-                                                            stage_start=start, predict_programs=predict))
+                                                            stage_start=start))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -559,8 +538,7 @@ def print_row(r: dict) -> None:
           f"{' carveout ' + str(r['gemm_sm_carveout']) if sp else ''}"
           f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}"
           f"{' index-prefetch' if sp and r.get('transfer_index_prefetch') else ''}"
-          f"{' start ' + r['stage_start'] if sp and r.get('stage_start') else ''}"
-          f"{' predict-programs ' + r['predict_programs'] if sp and r.get('predict_programs') else ''}", flush=True)
+          f"{' start ' + r['stage_start'] if sp and r.get('stage_start') else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:
