@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|start|bounds|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -62,13 +62,6 @@ stages)  # prepared, unmeasured: two K/V tiles in flight (5 stages) and the tran
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
     --transfer-programs 8,4,4:8:16 --transfer-index-prefetch off,on --output-json "$OUT/decode_b16_index_prefetch.json" \
     2>&1 | tee "$OUT/decode_b16_index_prefetch.log"
-  ;;
-start)  # predict and select beside the layer's attention: engine tokens with it, then batch 16 side by side (~4 min)
-  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --stage-start epilogue 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
-  python3 scripts/gpu_check_sparse_engine.py --dtype float32 --stage-start epilogue 2>&1 | tail -3 | tee -a "$OUT/check_sparse_engine.log"
-  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
-    --attention-splits 1,2 --stage-starts attention,epilogue --output-json "$OUT/decode_b16_start.json" \
-    2>&1 | tee "$OUT/decode_b16_start.log"
   ;;
 bounds)  # the bounds kernel's load stages and tile (its shared memory decides whether a GEMM's CTA fits beside it), and each stage's share (~5 min)
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \

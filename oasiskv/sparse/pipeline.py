@@ -75,13 +75,6 @@ BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
 # 8.32 ms), the stall under 1% (docs/benchmarks.md).
 GEMM_SM_CARVEOUT = 8
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
-# Where a layer's predict and select start on their streams: "attention", once the layer's
-# attention is done, or "epilogue", as soon as the qkv epilogue has folded the keys and copied
-# the draft query out, so the bounds scan runs beside the attention. Only the transfer overwrites
-# slots that attention reads, so it waits for the attention either way. Measured on the H200:
-# see docs/benchmarks.md; the in-order (CPU) path runs the stages after attention.
-STAGE_STARTS = ("attention", "epilogue")
-STAGE_START = "attention"
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -126,7 +119,6 @@ class LookaheadPipeline:
         self.attention_splits = pipeline_attention_splits(max_blocks)  # None: the kernel's choice
         self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
-        self.stage_start = STAGE_START  # side streams: where predict and select start (STAGE_STARTS)
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
@@ -328,18 +320,12 @@ class LookaheadPipeline:
             self.completes.fill_(False)
 
     def before_attention(self, layer: int, q, k, meta) -> None:
-        """The layer's epilogue has folded its keys and copied the draft queries out
-        (`summary_fold`). A deferred transfer of this layer lands first: attention reads its
-        slots, and this step's select rewrites its plan."""
-        if not self.background:
-            return
-        if layer in self.deferred_range():
+        if self.background and layer in self.deferred_range():
             torch.cuda.current_stream(self.device).wait_event(self.deferred_done[layer])
-        if self.prefetch and self.stage_start == "epilogue":
-            self._start_predict_select(layer)
 
     def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
-        """The layer's attention is done: the stages start (the transfer, at least)."""
+        """The layer's epilogue has folded its keys and copied the draft queries out
+        (`summary_fold`): the stages start."""
         if not self.prefetch:
             return
         if not self.background:
@@ -349,22 +335,7 @@ class LookaheadPipeline:
             if self.stages >= 3 and layer not in self.deferred_range():
                 self.transfer(layer)
             return
-        if self.stage_start != "epilogue":
-            self._start_predict_select(layer)
-        if layer in self.deferred_range():
-            return  # its transfer opens the next step (`begin_step`)
-        _, select, transfer = self.streams
-        transfer.wait_stream(select)
-        transfer.wait_stream(torch.cuda.current_stream(self.device))  # evicted slots: attention read them
-        with torch.cuda.stream(transfer):
-            if self.stages >= 3:
-                self.transfer(layer)
-            if self.timing is not None:
-                self.timing.layer_done[layer].record()
-
-    def _start_predict_select(self, layer: int) -> None:
-        """Predict, then select, on their streams after the foreground's work so far."""
-        predict, select, _ = self.streams
+        predict, select, transfer = self.streams
         predict.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(predict):
             self.predict(layer)
@@ -372,6 +343,14 @@ class LookaheadPipeline:
         with torch.cuda.stream(select):
             if self.stages >= 2:
                 self.select(layer)
+        if layer in self.deferred_range():
+            return  # its transfer opens the next step (`begin_step`)
+        transfer.wait_stream(select)
+        with torch.cuda.stream(transfer):
+            if self.stages >= 3:
+                self.transfer(layer)
+            if self.timing is not None:
+                self.timing.layer_done[layer].record()
 
     def join(self) -> None:
         """End of the step: a block this step completed goes to the host (write-through, so
