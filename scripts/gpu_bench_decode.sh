@@ -54,14 +54,11 @@ after)  # the second half: this tree's batch 16 fp8 runs, across the foreground'
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --attention-splits "${SPLITS:-0,1,2}" --output-json "$OUT/decode_b16_after.json" 2>&1 | tee "$OUT/decode_b16_after.log"
   ;;
-stages)  # prepared, unmeasured: two K/V tiles in flight (5 stages) and the transfer's plan read early; checks, probe, batch 16 side by side (~6 min)
+stages)  # the working-set attention with two K/V tiles in flight (5 stages): kernel checks, probe, batch 16 side by side
   python3 scripts/gpu_check_kernels.py --quick 2>&1 | grep -v "^PASS" | tee "$OUT/check_kernels.log"
   python3 scripts/gpu_probe_foreground.py 2>&1 | grep "^attention" | tee "$OUT/probe.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --attention-splits 1,2 --attention-stages 3,5 --output-json "$OUT/decode_b16_stages.json" 2>&1 | tee "$OUT/decode_b16_stages.log"
-  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
-    --transfer-programs 8,4,4:8:16 --transfer-index-prefetch off,on --output-json "$OUT/decode_b16_index_prefetch.json" \
-    2>&1 | tee "$OUT/decode_b16_index_prefetch.log"
   ;;
 bounds)  # the bounds kernel's load stages and tile (its shared memory decides whether a GEMM's CTA fits beside it), and each stage's share (~5 min)
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \

@@ -61,12 +61,11 @@ NUM_WARPS = 8
 
 
 def _launch(kernel, n: int, num_programs: int, item: int, *args, items_per_load: int = ITEMS_PER_LOAD,
-            num_warps: int = NUM_WARPS, **constexprs) -> None:
+            num_warps: int = NUM_WARPS) -> None:
     """Persistent grid of at most `num_programs` programs over n work items."""
     if n:
         kernel[(max(1, min(num_programs, triton.cdiv(n, items_per_load))),)](
-            *args, ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=items_per_load, num_warps=num_warps,
-            **constexprs)
+            *args, ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=items_per_load, num_warps=num_warps)
 
 
 def _copy_items_triton(src, dst, src_idx, dst_idx, num_programs):
@@ -104,21 +103,18 @@ def fetch_admitted(host: torch.Tensor, kv_layer: torch.Tensor, layer: int, admit
                    admit_slots: torch.Tensor, pages: torch.Tensor, extent_start: torch.Tensor,
                    extent_blocks: torch.Tensor, num_heads: int, num_sink: int,
                    num_programs: int = DEFAULT_PROGRAMS, items_per_load: int = ITEMS_PER_LOAD,
-                   num_warps: int = NUM_WARPS, prefetch_indices: bool = False) -> None:
+                   num_warps: int = NUM_WARPS) -> None:
     """The transfer stage: every admitted (request, head, block) item host -> its GPU slot.
 
     admit_blocks / admit_slots: [R * num_heads, C] (row r * num_heads + h; -1 unused); the
     item of block b of row r is host[extent_start[r] + (layer * extent_blocks[r] + b) * H + h]
     (HostExtent's layout) and goes to slot pages[r, num_sink + slot] * H + h of `kv_layer`.
-    On CUDA the addresses are computed inside the copy kernel: one launch per layer.
-    prefetch_indices: each program reads the next items' plan entries while this round's host
-    reads are in flight (a chain of three dependent loads otherwise precedes every round)."""
+    On CUDA the addresses are computed inside the copy kernel: one launch per layer."""
     RH, C = admit_blocks.shape
     if kv_layer.is_cuda and triton is not None:
         _launch(_fetch_kernel, RH * C, num_programs, kv_layer[0].numel(), host, kv_layer, admit_blocks,
                 admit_slots, pages, extent_start, extent_blocks, layer, RH * C, C, num_heads,
-                pages.shape[1], num_sink, items_per_load=items_per_load, num_warps=num_warps,
-                PREFETCH=prefetch_indices)
+                pages.shape[1], num_sink, items_per_load=items_per_load, num_warps=num_warps)
         return
     row = torch.arange(RH, device=admit_blocks.device)
     r, h = row // num_heads, row % num_heads
@@ -156,44 +152,20 @@ def write_through(kv: torch.Tensor, host: torch.Tensor, completed: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _fetch_addresses(blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr, w, layer, n, C, H, P, S):
-        """Plan entries w -> (host item, GPU slot item, valid): block, then its slot, then the
-        slot's page, each load waiting on the one before."""
-        blk = tl.load(blk_ptr + w, mask=w < n, other=-1).to(tl.int64)
-        ok = blk >= 0
-        slot = tl.load(slot_ptr + w, mask=ok, other=0)
-        r = w // C // H
-        h = (w // C % H).to(tl.int64)
-        page = tl.load(pages_ptr + r * P + S + slot, mask=ok, other=0).to(tl.int64)
-        start = tl.load(ext_start_ptr + r, mask=ok, other=0)
-        nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
-        return start + (layer * nblk + blk) * H + h, page * H + h, ok
-
-    @triton.jit
     def _fetch_kernel(host_ptr, kv_ptr, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
                       layer, n, C, H, P, S,
-                      ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr, PREFETCH: tl.constexpr):
-        first, stride = tl.program_id(0) * ITEMS, tl.num_programs(0) * ITEMS
-        w = first + tl.arange(0, ITEMS)
-        if PREFETCH:
-            src, dst, ok = _fetch_addresses(blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr, w,
-                                            layer, n, C, H, P, S)
-            offs = tl.arange(0, ITEMP)
-            for i0 in range(first, n, stride):
-                # This round's host reads go out first; the next round's plan entries are read
-                # while they cross PCIe; the stores wait for the reads.
-                m = ok[:, None] & (offs < ITEM)[None, :]
-                x = tl.load(host_ptr + src[:, None] * ITEM + offs[None, :], mask=m)
-                src, dst_next, ok_next = _fetch_addresses(blk_ptr, slot_ptr, pages_ptr, ext_start_ptr,
-                                                          ext_blocks_ptr, w + (i0 - first) + stride, layer,
-                                                          n, C, H, P, S)
-                tl.store(kv_ptr + dst[:, None] * ITEM + offs[None, :], x, mask=m)
-                dst, ok = dst_next, ok_next
-        else:
-            for i0 in range(first, n, stride):
-                src, dst, ok = _fetch_addresses(blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
-                                                w + (i0 - first), layer, n, C, H, P, S)
-                _move(host_ptr, kv_ptr, src, dst, ok, ITEM, ITEMP)
+                      ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
+        for i0 in range(tl.program_id(0) * ITEMS, n, tl.num_programs(0) * ITEMS):
+            w = i0 + tl.arange(0, ITEMS)
+            blk = tl.load(blk_ptr + w, mask=w < n, other=-1).to(tl.int64)
+            ok = blk >= 0
+            slot = tl.load(slot_ptr + w, mask=ok, other=0)
+            r = w // C // H
+            h = (w // C % H).to(tl.int64)
+            page = tl.load(pages_ptr + r * P + S + slot, mask=ok, other=0).to(tl.int64)
+            start = tl.load(ext_start_ptr + r, mask=ok, other=0)
+            nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
+            _move(host_ptr, kv_ptr, start + (layer * nblk + blk) * H + h, page * H + h, ok, ITEM, ITEMP)
 
     @triton.jit
     def _write_through_kernel(kv_ptr, host_ptr, done_ptr, wslot_ptr, ext_start_ptr, ext_blocks_ptr,

@@ -111,7 +111,6 @@ class LookaheadPipeline:
         self.transfer_programs = transfer_programs
         self.transfer_items = ITEMS_PER_LOAD  # items each transfer program has in flight
         self.transfer_warps = NUM_WARPS  # warps of each transfer program
-        self.transfer_index_prefetch = False  # each program reads the next round's plan early
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
@@ -399,7 +398,7 @@ class LookaheadPipeline:
         fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer, :B * H],
                        self.admit_slots[layer, :B * H], self.pages[:B], self.extent_start[:B],
                        self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items,
-                       self.transfer_warps, self.transfer_index_prefetch)
+                       self.transfer_warps)
 
     def write_through(self, wt: WriteThrough | None = None) -> None:
         """The blocks a step completed (this step's, or `wt`: the last step's), GPU -> host."""
