@@ -19,8 +19,10 @@ LOG2E = 1.4426950408889634
 # Software-pipeline stages of the split kernel. Triton (3.6, sm_90) gives the slot load the
 # first stage and K/V the second, so 3 and 4 stages keep one K/V tile in flight per program
 # and 5 keeps two (137 KiB of shared memory instead of 72 KiB: one program per SM, not three).
-# Compiled on the CPU: scripts/inspect_decode_kernel.py. Dense runs many programs per SM and
-# needs no deeper pipeline; a working set's one short wave may.
+# Compiled on the CPU: scripts/inspect_decode_kernel.py. Alone, at the batch 16 working set with
+# one split, 5 stages took 40.8 against 49.6 µs on the H200; inside the pipelined step it did
+# not help (16K 7.45 -> 7.60 ms, 32K 7.87 -> 7.71; two splits: 7.68 -> 7.69, 7.72 -> 8.11;
+# docs/benchmarks.md), so the default stays 3.
 DECODE_STAGES = 3
 
 
