@@ -99,19 +99,18 @@ def topk_mismatches(ids, ref, k, rel_tol=1e-4):
     return bad
 
 
-def check_scores(R, max_blocks, k, dtype, window=False, tile=64, programs=(None, None), **shape):
+def check_scores(R, max_blocks, k, dtype, window=False, tile=64, **shape):
     q, kmin, kmax, off, nb = score_inputs(R, max_blocks, dtype, seed=max_blocks + k, **shape)
     kw = {}
     if window:  # sinks 0..3 and a 4-block window left out of the ranking
         kw = dict(num_sink=4, window_start=(nb - 4).clamp_min(0).int())
     g = shape.get("g", G)
     name = (f"{str(dtype)[6:]}{' fp8-summaries' if shape.get('fp8') else ''} R{R} M{max_blocks} k{k} "
-            f"{ {k: v for k, v in shape.items() if k != 'fp8'} or ''}{' sink+window' if window else ''}"
-            f"{f' programs {programs}' if programs[0] or programs[1] else ''}")
+            f"{ {k: v for k, v in shape.items() if k != 'fp8'} or ''}{' sink+window' if window else ''}")
     # fp8: the kernel splits the query into two e4m3 parts (~2^-8 relative), not exact products
     tol, tie = (1e-2, 1e-2) if shape.pop("fp8", False) else (1e-5, 1e-4)
     u = torch.full((R, q.shape[1], max_blocks), float("nan"), device=q.device)
-    head_bounds_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile, out=u, programs=programs[0], **kw)
+    head_bounds_triton(q, kmin, kmax, off, nb, g, max_blocks, block_tile=tile, out=u, **kw)
     ref_u = head_bounds_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
     written = not u.isnan().any().item()
     scale = ref_u[torch.isfinite(ref_u)].abs().max().item()
@@ -130,8 +129,7 @@ def check_scores(R, max_blocks, k, dtype, window=False, tile=64, programs=(None,
                rel_err=f"{err:.1e}", inf_pattern=same_inf, topk_rows_differ=bad)
     # The pipeline's fused combine + select: the same set as top-K, each id with its score.
     ref = score_blocks_ref(q, kmin, kmax, off, nb, g, max_blocks, **kw)
-    ids, vals = score_select_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile, programs=programs,
-                                    **kw)
+    ids, vals = score_select_triton(q, kmin, kmax, off, nb, g, k, max_blocks, block_tile=tile, **kw)
     bad = topk_mismatches(ids, ref, k, tie)
     paired = torch.where(ids >= 0, ref.gather(2, ids.long().clamp_min(0)), vals)
     vals_ok = bool(torch.allclose(paired, vals, rtol=1e-5, atol=tol * scale)) and bool(
@@ -295,7 +293,6 @@ def cpu_smoke():
     check_scores(3, 40, 8, torch.float16, tile=16, hkv=2, g=4, d=64)
     check_scores(3, 40, 8, torch.float32, window=True, tile=16, hkv=2, g=4, d=64)
     check_scores(3, 40, 8, torch.float16, tile=16, hkv=2, g=4, d=64, fp8=True)
-    check_scores(3, 40, 8, torch.float16, tile=16, hkv=2, g=4, d=64, fp8=True, programs=(2, 2))
     resident, last, predicted, ws = eviction_inputs(8, 16, 16, 64)
     plan = capped_eviction(resident, last, predicted, 4, ws, 7, 60)
     record("capped_eviction cpu smoke", bool((plan.admitted <= 7).all()))
@@ -318,9 +315,6 @@ def main():
         guarded(check_scores, 5, 300, 32, torch.bfloat16, hkv=4, g=3, d=64)  # ragged last tile
         guarded(check_scores, 16, 2048, 128, torch.bfloat16, fp8=True)
         guarded(check_scores, 16, 2048, 128, torch.bfloat16, window=True, fp8=True)
-        # Bounded grids (the pipeline's --predict-programs): each program walks many items.
-        guarded(check_scores, 16, 2048, 128, torch.bfloat16, window=True, fp8=True, programs=(24, 16))
-        guarded(check_scores, 5, 300, 32, torch.bfloat16, hkv=4, g=3, d=64, programs=(7, 3))
         guarded(check_graph_replay)
         guarded(check_summaries_graph)
         guarded(check_summaries_graph, dtype=FP8, key_dtype=torch.bfloat16)

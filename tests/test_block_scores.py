@@ -174,13 +174,6 @@ TRITON_CASES = {  # R, Hkv, G, D, num_blocks, dtype, extra kwargs
     # loads two deep (the last program's second tile is past the end).
     "g4_d128_fp16_2_tiles_per_program": (2, 2, 4, 128, [40, 23], torch.float16,
                                          dict(tiles_per_program=2, stages=2)),
-    # Bounded grids: 3 bounds programs over 2 x 2 x 3 one-tile items, 2 select programs over
-    # 4 rows, each program walking several items.
-    "g4_d128_fp16_bounded_grids": (2, 2, 4, 128, [40, 23], torch.float16,
-                                   dict(tiles_per_program=1, programs=(3, 2))),
-    "g4_d128_fp32_fp8_bounded_grids_sink_window": (3, 2, 4, 128, [17, 40, 8], torch.float32,
-                                                   dict(fp8=True, tiles_per_program=2, programs=(5, 4),
-                                                        num_sink=1, window_start=[15, 36, 8])),
     # fp8 summaries (`--summary-dtype fp8`): fp8 products, the query split in two e4m3 parts.
     "g4_d128_fp16_fp8_summaries": (3, 2, 4, 128, [17, 40, 8], torch.float16, dict(fp8=True)),
     "g3_d64_fp32_fp8_summaries_sink_window": (2, 3, 3, 64, [30, 12], torch.float32,
@@ -207,10 +200,8 @@ def run_interpreter_cases() -> dict:
         if "window_start" in kw:
             kw = dict(kw, window_start=torch.tensor(kw["window_start"], dtype=torch.int32))
         tuning = {k: kw.pop(k) for k in ("tiles_per_program", "stages") if k in kw}  # bounds + select only
-        programs = kw.pop("programs", (None, None))
         ref_u = head_bounds_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
-        u = head_bounds_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE, **kw, **tuning,
-                               programs=programs[0])
+        u = head_bounds_triton(q, kmin, kmax, off, nb, G, MAX_BLOCKS, block_tile=TILE, **kw, **tuning)
         scale = finite_max(ref_u)
         res = {"bounds_rel_err": abs_err(u, ref_u) / scale}
         for combine in COMBINES:
@@ -227,7 +218,7 @@ def run_interpreter_cases() -> dict:
         ref = score_blocks_ref(q, kmin, kmax, off, nb, G, MAX_BLOCKS, **kw)
         for k in (K, MAX_BLOCKS + 3):  # also more than the row has: -1 / -inf padding
             ids, vals = score_select_triton(q, kmin, kmax, off, nb, G, k, MAX_BLOCKS, block_tile=TILE, **kw,
-                                            **tuning, programs=programs)
+                                            **tuning)
             got = ref.gather(2, ids.long().clamp_min(0))
             res[f"select_k{k}"] = {"topk_agree": topk_agrees(ids, ref, k, tol),
                                    "vals_match_scores": bool(torch.allclose(

@@ -197,7 +197,7 @@ if triton is not None:
     def _bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
                        stride_qr, stride_qh, stride_kb, stride_kh,
                        stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
-                       wide, narrow, num_heads, num_groups, num_items, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
+                       wide, narrow, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
                        STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
                        FP8: tl.constexpr, UPCAST: tl.constexpr):
@@ -216,27 +216,10 @@ if triton is not None:
         split into two e4m3 numbers, q ≈ q₁ + q₂ (q₂ the rounding error of q₁, so ~2⁻⁸ relative,
         a bf16's precision; components clamped to ±448), columns [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂].
         Widening the summaries to float16 in registers instead took 35.6 against 25.8 µs on the
-        H200 (docs/benchmarks.md).
-
-        Items are (sequence r, kv head h, group of TILES tiles); the grid may be smaller than the
-        item count, each program then walking items num_programs apart (a bounded grid: see
-        `head_bounds_triton`)."""
-        for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-            _bounds_item(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                         stride_qr, stride_qh, stride_kb, stride_kh, stride_or, stride_oh, stride_tr, stride_th,
-                         max_blocks, num_tiles, num_sink, wide, narrow, item // (num_heads * num_groups),
-                         item // num_groups % num_heads, item % num_groups * TILES,
-                         G, GP, NC, D, DP, BB, TILES, STAGES, HAS_WS, PRECISION, FP8, UPCAST)
-
-    @triton.jit
-    def _bounds_item(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                     stride_qr, stride_qh, stride_kb, stride_kh,
-                     stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
-                     wide, narrow, r, h, first, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
-                     D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
-                     STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
-                     FP8: tl.constexpr, UPCAST: tl.constexpr):
-        """The bounds of one item: TILES tiles of sequence r, kv head h, from tile `first`."""
+        H200 (docs/benchmarks.md)."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        first = tl.program_id(2) * TILES
         d = tl.arange(0, DP)
         c = tl.arange(0, NC)
         part = c // GP
@@ -326,16 +309,13 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
                        range_weight: float = RANGE_WEIGHT, tiles_per_program: int = 8,
-                       stages: int = 3, programs: int | None = None) -> torch.Tensor:
+                       stages: int = 3) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
     bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, tile groups); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
     loads are masked off). block_tile >= 16 (a tensor-core product's rows), `tiles_per_program`
-    tiles per program, loads `stages` deep: the defaults were the fastest on the H200.
-    programs: a bounded grid of at most this many persistent programs over the (sequence, head,
-    tile group) items (None: one program each). A GEMM's CTA needs a whole SM, so a scan spread
-    over every SM holds the next GEMM back until it drains; a few dozen programs leave it room."""
+    tiles per program, loads `stages` deep: the defaults were the fastest on the H200."""
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     G = group_size
@@ -350,13 +330,11 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     fp8 = kmin.dtype == torch.float8_e4m3fn
     if R and max_blocks:
         GP = triton.next_power_of_2(G)
-        groups = triton.cdiv(tiles, tiles_per_program)
-        items = R * Hkv * groups
-        _bounds_kernel[(min(items, programs or items),)](
+        _bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
-            max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2, Hkv, groups, items,
+            max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
             G=G, GP=GP, NC=max(16, (4 if fp8 else 2) * GP), D=D, DP=max(32, triton.next_power_of_2(D)),
             BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
             PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", FP8=fp8,
@@ -421,8 +399,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
                  block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
                  tiles_per_program: int = 8,
-                 stages: int = 3, programs: tuple[int | None, int | None] = (None, None)
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
@@ -433,14 +410,12 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     heads and selects the top K in registers (a radix select of the K-th largest score, then
     a prefix-sum compaction): no sort. On the H200 at 16 x 2048 blocks, bounds + select take
     78 µs alone against 101 µs with torch.topk; inside a batch 16, 32K decode step, torch.topk
-    had taken 63 µs a layer (docs/benchmarks.md). Elsewhere: `score_topk`. programs: bounded
-    grids of the bounds and the select kernel (None: one program an item; see
-    `head_bounds_triton`)."""
+    had taken 63 µs a layer (docs/benchmarks.md). Elsewhere: `score_topk`."""
     if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
                                    range_weight=range_weight, tiles_per_program=tiles_per_program,
-                                   stages=stages, programs=programs)
+                                   stages=stages)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -453,7 +428,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, tiles_per_program=8, stages=3, programs=(None, None)):
+                        range_weight=RANGE_WEIGHT, tiles_per_program=8, stages=3):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
@@ -462,7 +437,7 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
                        window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight,
-                       tiles_per_program=tiles_per_program, stages=stages, programs=programs[0])
+                       tiles_per_program=tiles_per_program, stages=stages)
     if out is None:
         out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
                torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))
@@ -470,10 +445,9 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
     assert ids.stride() == vals.stride() and ids.stride(-1) == 1
     MP = triton.next_power_of_2(max_blocks)
     if R and max_blocks:
-        rows = R * Hkv
-        _select_kernel[(min(rows, programs[1] or rows),)](
+        _select_kernel[(R, Hkv)](
             u, tile_max, ids, vals, u.stride(0), u.stride(1), tile_max.stride(0), tile_max.stride(1),
-            ids.stride(0), max_blocks, tiles, k, Hkv, rows,
+            ids.stride(0), max_blocks, tiles, k,
             G=group_size, MP=MP, TP=triton.next_power_of_2(tiles), KP=triton.next_power_of_2(k),
             num_warps=8 if MP >= 4096 else 4)
     return ids.view(R, Hkv, k), vals.view(R, Hkv, k)
@@ -483,21 +457,14 @@ if triton is not None:
 
     @triton.jit
     def _select_kernel(u_ptr, tmax_ptr, ids_ptr, vals_ptr, stride_ur, stride_uh, stride_tr, stride_th,
-                       stride_o, max_blocks, num_tiles, k, num_heads, num_rows,
+                       stride_o, max_blocks, num_tiles, k,
                        G: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr):
-        """Each (sequence r, kv head h) row in turn, rows num_programs apart (one each with a full
-        grid): shifted-max combine of the G heads' bounds, then the k best blocks."""
-        for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-            _select_row(u_ptr, tmax_ptr, ids_ptr, vals_ptr, stride_ur, stride_uh, stride_tr, stride_th, stride_o,
-                        max_blocks, num_tiles, k, row // num_heads, row % num_heads, row, G, MP, TP, KP)
-
-    @triton.jit
-    def _select_row(u_ptr, tmax_ptr, ids_ptr, vals_ptr, stride_ur, stride_uh, stride_tr, stride_th,
-                    stride_o, max_blocks, num_tiles, k, r, h, row_index,
-                    G: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr):
-        """One row. The k-th largest score is found bit by bit on an order-keeping integer image
-        of the floats (32 counting passes over the row, in registers); blocks above it, then the
-        first ties, are compacted to the output by a prefix sum."""
+        """One program per (sequence r, kv head h): shifted-max combine of the G heads' bounds,
+        then the k best blocks. The k-th largest score is found bit by bit on an order-keeping
+        integer image of the floats (32 counting passes over the row, in registers); blocks
+        above it, then the first ties, are compacted to the output by a prefix sum."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
         b = tl.arange(0, MP)
         tt = tl.arange(0, TP)
         s = tl.full((MP,), float("-inf"), dtype=tl.float32)
@@ -521,7 +488,7 @@ if triton is not None:
         tie = key == thr
         take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32), axis=0)))
         pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
-        row = (tl.zeros((), dtype=tl.int64) + row_index) * stride_o  # int64 (the index may be a Python int)
+        row = (r * tl.num_programs(1) + h).to(tl.int64) * stride_o
         finite = s > float("-inf")
         tl.store(ids_ptr + row + pos, tl.where(finite, b, -1), mask=take)
         tl.store(vals_ptr + row + pos, s, mask=take)

@@ -75,10 +75,6 @@ BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
 # 8.32 ms), the stall under 1% (docs/benchmarks.md).
 GEMM_SM_CARVEOUT = 8
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
-# Bounded grids of the prediction's two kernels (bounds scan, top-K select): at most this many
-# persistent programs each, None: one program per item (the bounds kernel's ~3 per request and
-# kv head, the select's one). Measured on the H200: see docs/benchmarks.md.
-PREDICT_PROGRAMS: tuple[int | None, int | None] = (None, None)
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -122,7 +118,6 @@ class LookaheadPipeline:
         self.attention_splits = pipeline_attention_splits(max_blocks)  # None: the kernel's choice
         self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
-        self.predict_programs = PREDICT_PROGRAMS  # grids of the bounds and select kernels
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
@@ -385,7 +380,7 @@ class LookaheadPipeline:
                      window_start=self.next_window[:B],
                      out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
                      block_tile=self.bounds_tiling[0], tiles_per_program=self.bounds_tiling[1],
-                     stages=self.bounds_tiling[2], programs=self.predict_programs)
+                     stages=self.bounds_tiling[2])
 
     def select(self, layer: int) -> None:
         B, H = self.B, self.H
