@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|priority|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -64,11 +64,6 @@ bounds)  # the bounds kernel's load stages and tile (its shared memory decides w
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --stage-ablation --bounds-tiling auto,64:auto:1,64:auto:2,32:auto:1,32:auto:2 \
     --output-json "$OUT/decode_b16_bounds_stages.json" 2>&1 | tee "$OUT/decode_b16_bounds_stages.log"
-  ;;
-priority)  # the foreground captured on a high-priority stream (GEMMs now launch <= 96 CTAs): batch 16 side by side, then engine tokens with it (~4 min)
-  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
-    --foreground-priorities off,on,off,on --output-json "$OUT/decode_b16_priority.json" 2>&1 | tee "$OUT/decode_b16_priority.log"
-  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --foreground-priority 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

@@ -15,7 +15,6 @@ import time
 import torch
 
 from oasiskv.entrypoints.llm import LLM
-from oasiskv.sparse import pipeline
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -39,10 +38,7 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--pipeline", default="auto", help="--sparse-pipeline of the full-budget run")
     ap.add_argument("--summary-dtype", default="auto", help="auto | fp8")
-    ap.add_argument("--foreground-priority", action="store_true",
-                    help="capture the sparse step's foreground on a high-priority stream")
     a = ap.parse_args()
-    pipeline.FOREGROUND_PRIORITY = a.foreground_priority  # read by every pipeline the engines below build
     common = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.prompt_len + a.steps + 16, max_num_seqs=4,
                   kv_cache_gb=4.0, summary_dtype=a.summary_dtype)
     g = torch.Generator().manual_seed(0)
@@ -86,7 +82,7 @@ def main():
     async_same = [x.token_ids == y.token_ids and x.stats["draft_acceptance"] == y.stats["draft_acceptance"]
                   for x, y in zip(capped["on", "on"], capped["on", "off"])]
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
-           "summary_dtype": a.summary_dtype, "foreground_priority": pipeline.FOREGROUND_PRIORITY,
+           "summary_dtype": a.summary_dtype,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,

@@ -55,9 +55,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-stages", default=None,
                    help="comma list: software-pipeline stages of the sparse foreground's decode kernel (5 keeps "
                         "two K/V tiles in flight; default: the kernel's)")
-    p.add_argument("--foreground-priorities", default="off",
-                   help="comma list of off / on: the sparse step's foreground captured on a high-priority stream "
-                        "(the stages' streams keep the lowest)")
     p.add_argument("--gemm-sm-carveouts", default=None,
                    help="comma list: sparse runs whose GEMMs (cuBLASLt) leave N SMs to the pipeline "
                         "(0: none; default: the pipeline's GEMM_SM_CARVEOUT)")
@@ -179,7 +176,7 @@ class DecodeBench:
                    transfer_backend: str | None = None, bounds_tiling: str | None = None,
                    summary_dtype: str | None = None, deferred_layers: int | None = None,
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
-                   attention_stages: int | None = None, foreground_priority: bool = False) -> dict:
+                   attention_stages: int | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -232,7 +229,6 @@ class DecodeBench:
             if gemm_sm_carveout is not None:
                 p.gemm_sm_carveout = gemm_sm_carveout
             p.attention_stages = attention_stages
-            p.foreground_priority = foreground_priority
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
@@ -270,7 +266,6 @@ class DecodeBench:
                        bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
                        deferred_layers=p.deferred_layers, attention_splits=p.attention_splits or 0,
                        gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
-                       foreground_priority=p.foreground_priority,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -406,8 +401,6 @@ def run_decode_bench(args) -> int:
         raise ValueError(f"--attention-splits takes counts >= 0 (0: the kernel's choice), not {args.attention_splits!r}")
     if args.attention_stages and any(n < 1 for n in _ints(args.attention_stages)):
         raise ValueError(f"--attention-stages takes counts >= 1, not {args.attention_stages!r}")
-    if set(args.foreground_priorities.split(",")) - {"off", "on"}:
-        raise ValueError(f"--foreground-priorities takes off / on, not {args.foreground_priorities!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
         raise ValueError(f"--gemm-sm-carveouts takes counts >= 0, not {args.gemm_sm_carveouts!r}")
     if args.blas_library != "default":
@@ -445,18 +438,17 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, carveout, stages, priority in itertools.product(
+                                for tiling, summary, deferred, splits, carveout, stages in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
                                         _ints(args.deferred_layers) if args.deferred_layers else [None],
                                         _ints(args.attention_splits) if args.attention_splits else [None],
                                         _ints(args.gemm_sm_carveouts) if args.gemm_sm_carveouts else [None],
-                                        _ints(args.attention_stages) if args.attention_stages else [None],
-                                        [v == "on" for v in args.foreground_priorities.split(",")]):
+                                        _ints(args.attention_stages) if args.attention_stages else [None]):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
                                                             summary_dtype=summary, deferred_layers=deferred,
                                                             attention_splits=splits, gemm_sm_carveout=carveout,
-                                                            attention_stages=stages, foreground_priority=priority))
+                                                            attention_stages=stages))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -525,8 +517,7 @@ def print_row(r: dict) -> None:
           f"{'deferred ' + str(r.get('deferred_layers')) if sp else ''} "
           f"{'splits ' + str(r.get('attention_splits') or 'auto') if sp else ''}"
           f"{' carveout ' + str(r['gemm_sm_carveout']) if sp else ''}"
-          f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}"
-          f"{' fg-priority' if sp and r.get('foreground_priority') else ''}", flush=True)
+          f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:

@@ -55,11 +55,7 @@ class SparseDecodeStep:
             p.active.copy_(active)
             p.step.copy_(step)
             self.graph = torch.cuda.CUDAGraph()
-            # Graph nodes keep the priority of the stream they were captured on (PyTorch
-            # instantiates with cudaGraphInstantiateFlagUseNodePriority); the stages' streams
-            # have the default, the lowest.
-            stream = torch.cuda.Stream(p.device, priority=-1) if p.foreground_priority else None
-            with torch.cuda.graph(self.graph, stream=stream):
+            with torch.cuda.graph(self.graph):
                 self.hidden = self._forward()
         torch.cuda.synchronize()
 

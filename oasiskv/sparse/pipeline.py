@@ -75,7 +75,6 @@ BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
 # 8.32 ms), the stall under 1% (docs/benchmarks.md).
 GEMM_SM_CARVEOUT = 8
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
-FOREGROUND_PRIORITY = False  # capture the step's foreground on a high-priority stream
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -119,7 +118,6 @@ class LookaheadPipeline:
         self.attention_splits = pipeline_attention_splits(max_blocks)  # None: the kernel's choice
         self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
-        self.foreground_priority = FOREGROUND_PRIORITY
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
