@@ -1,9 +1,11 @@
 """Where a long-context decode step's GPU time goes, kernel by kernel: torch.profiler over the
 `bench decode` steps (CUDA-graph replays), for dense, the sparse foreground alone (pipeline
-stages off) and sparse with the pipeline. Per mode: the kernels by GPU time per step, and the
-chrome trace of a few steps (to see what overlaps what).
+stages off) and sparse with the pipeline. Per mode: the kernels by GPU time per step, the
+foreground's idle time per step named by the kernels around each gap (`bench.trace_gaps`), and
+the chrome trace of a few steps (to see what overlaps what).
 
 PYTHONPATH=. python3 scripts/gpu_profile_sparse.py [--context 32768] [--batch 16] [--modes dense,fg,sparse]
+    [--attention-splits N] [--attention-stages N]   # the sparse runs' decode kernel (first value)
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from oasiskv.bench.decode import DecodeBench, add_decode_args  # noqa: E402
+from oasiskv.bench.trace_gaps import trace_gaps  # noqa: E402
 from oasiskv.entrypoints.args import add_engine_args  # noqa: E402
 
 
@@ -29,6 +32,7 @@ class ProfiledBench(DecodeBench):
     """`bench decode` whose timed steps run under the profiler (after its own warm-up)."""
     label = ""
     tables: dict = {}
+    gaps: dict = {}
 
     def _time(self, step, counters=None):
         for _ in range(self.args.warmup):
@@ -41,7 +45,14 @@ class ProfiledBench(DecodeBench):
             _sync()
         out = os.environ.get("OUT", "out")
         if self.label:
-            prof.export_chrome_trace(os.path.join(out, f"trace_{self.label}.json"))
+            trace = os.path.join(out, f"trace_{self.label}.json")
+            prof.export_chrome_trace(trace)
+            self.gaps[self.label] = gaps = trace_gaps(trace, n)
+            print(f"--- {self.label}: foreground idle {sum(g['us_per_step'] for g in gaps) / 1e3:.2f} ms per step; "
+                  "largest gaps (before -> after kernel):")
+            for g in gaps[:12]:
+                print(f"{g['us_per_step']:9.1f} us {g['per_step']:6.0f}x {g['us_each']:7.1f} us each  "
+                      f"{g['before']} -> {g['after']}")
         rows = []
         for e in prof.key_averages():
             self_t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -76,13 +87,16 @@ def main():
         if mode == "dense":
             res = bench.run_dense(a.batch, a.context)
         else:
-            res = bench.run_sparse(a.batch, a.context, prefetch=mode != "fg")
+            first = lambda text: int(text.split(",")[0]) if text else None  # noqa: E731
+            res = bench.run_sparse(a.batch, a.context, prefetch=mode != "fg",
+                                   attention_splits=first(a.attention_splits),
+                                   attention_stages=first(a.attention_stages))
         results[bench.label] = res
         print(json.dumps({k: res.get(k) for k in ("mode", "step_ms", "output_tok_s", "roofline_fraction",
                                                  "stall_fraction", "foreground_ms")}), flush=True)
     out = os.environ.get("OUT", "out")
     with open(os.path.join(out, "sparse_profile.json"), "w") as f:
-        json.dump({"results": results, "kernels": bench.tables}, f, indent=2)
+        json.dump({"results": results, "kernels": bench.tables, "foreground_gaps": bench.gaps}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""The foreground idle-time table read from a profiler trace (oasiskv/bench/trace_gaps.py)."""
+import json
+
+import pytest
+
+from oasiskv.bench.trace_gaps import foreground_gaps, short_name, trace_gaps
+
+
+def kernel(name, ts, dur, stream):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def two_steps():
+    """Two steps of one layer on stream 7: qkv GEMM, attention, o_proj GEMM; the pipeline's
+    bounds kernel on stream 9, and once on stream 7 (a replay may put it there); a CPU op."""
+    gemm = "nvjet_sm90_tst_64x32_64x16_4x1_v_bz_TNT"
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]
+    for t0 in (0, 100):
+        events += [kernel(gemm, t0, 10, 7), kernel("_decode_split_kernel", t0 + 12, 20, 7),
+                   kernel("_bounds_kernel", t0 + 32, 15, 9), kernel(gemm, t0 + 40, 10, 7)]
+    events.append(kernel("_bounds_kernel", 33, 5, 7))
+    return events
+
+
+def test_gaps_are_named_by_the_kernels_around_them():
+    rows = {(r["before"], r["after"]): r for r in foreground_gaps(two_steps(), steps=2)}
+    gemm = "nvjet_sm90_tst_64x32_64x16_4x1_v_bz_TNT"
+    # o_proj waits 8 µs after the attention in each step; qkv -> attention 2 µs; the gap
+    # between the steps (o_proj of step 0 -> qkv of step 1) 50 µs, once in two steps.
+    assert rows[("_decode_split_kernel", gemm)]["us_per_step"] == pytest.approx(8.0)
+    assert rows[(gemm, "_decode_split_kernel")]["us_each"] == pytest.approx(2.0)
+    assert rows[(gemm, gemm)] == pytest.approx({"before": gemm, "after": gemm, "us_per_step": 25.0,
+                                                "per_step": 0.5, "us_each": 50.0})
+    assert not any("_bounds_kernel" in key for key in rows)  # the pipeline's kernels are not foreground
+    assert list(rows)[0] == (gemm, gemm)  # largest first
+
+
+def test_short_names_and_trace_files(tmp_path):
+    assert short_name("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>(x)") == \
+        "at::native::reduce_kernel"
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": two_steps()}))
+    assert trace_gaps(str(path), steps=2) == foreground_gaps(two_steps(), steps=2)
