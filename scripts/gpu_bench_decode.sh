@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -64,6 +64,14 @@ bounds)  # the bounds kernel's load stages and tile (its shared memory decides w
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --stage-ablation --bounds-tiling auto,64:auto:1,64:auto:2,32:auto:1,32:auto:2 \
     --output-json "$OUT/decode_b16_bounds_stages.json" 2>&1 | tee "$OUT/decode_b16_bounds_stages.log"
+  ;;
+merge)  # prepared, unmeasured: the attention's last split program merges (no merge launch); checks, engine tokens, batch 16 side by side (~6 min)
+  python3 scripts/gpu_check_kernels.py --quick 2>&1 | grep -v "^PASS" | tee "$OUT/check_kernels.log"
+  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --fused-merge --attention-splits 2 2>&1 | tail -3 \
+    | tee "$OUT/check_sparse_engine.log"
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
+    --attention-splits 1,2,3 --attention-merges launch,fused --output-json "$OUT/decode_b16_merge.json" \
+    2>&1 | tee "$OUT/decode_b16_merge.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

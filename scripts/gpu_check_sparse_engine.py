@@ -15,6 +15,7 @@ import time
 import torch
 
 from oasiskv.entrypoints.llm import LLM
+from oasiskv.sparse import pipeline
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -38,7 +39,14 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--pipeline", default="auto", help="--sparse-pipeline of the full-budget run")
     ap.add_argument("--summary-dtype", default="auto", help="auto | fp8")
+    ap.add_argument("--fused-merge", action="store_true",
+                    help="the pipelined step's attention merges its splits in the last split program")
+    ap.add_argument("--attention-splits", type=int, default=None,
+                    help="splits of the pipelined step's attention (default: the pipeline's)")
     a = ap.parse_args()
+    pipeline.ATTENTION_FUSED_MERGE = a.fused_merge  # read by every pipeline the engines below build
+    if a.attention_splits is not None:
+        pipeline.WORKING_SET_SPLITS = a.attention_splits
     common = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.prompt_len + a.steps + 16, max_num_seqs=4,
                   kv_cache_gb=4.0, summary_dtype=a.summary_dtype)
     g = torch.Generator().manual_seed(0)
@@ -82,7 +90,8 @@ def main():
     async_same = [x.token_ids == y.token_ids and x.stats["draft_acceptance"] == y.stats["draft_acceptance"]
                   for x, y in zip(capped["on", "on"], capped["on", "off"])]
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
-           "summary_dtype": a.summary_dtype,
+           "summary_dtype": a.summary_dtype, "fused_merge": a.fused_merge,
+           "attention_splits": a.attention_splits,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,

@@ -68,7 +68,7 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     attention has neither)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
                     "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
-                    "--attention-splits", "1", "--attention-stages", "5")
+                    "--attention-splits", "1", "--attention-stages", "5", "--attention-merges", "fused")
     dense, sparse, fp8, predict, select = res["runs"]
     assert (sparse["summary_dtype"], fp8["summary_dtype"]) == ("auto", "fp8")
     assert fp8["summary_bytes_per_step"] * 4 == sparse["summary_bytes_per_step"] and fp8["admitted_per_step"] > 0
@@ -76,8 +76,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
     assert predict["fetched_bytes_per_step"] == 0
     knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling", "attention_splits",
-             "attention_stages")
-    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5]
+             "attention_stages", "attention_merge")
+    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, "fused"]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]
 
@@ -86,7 +86,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
                                         ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3"),
                                         ("--bounds-tiling", "64:auto:x"),
                                         ("--deferred-layers", "2,-1"), ("--attention-splits", "-2"),
-                                        ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0")])
+                                        ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0"),
+                                        ("--attention-merges", "atomic")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""
@@ -119,17 +120,17 @@ def test_bench_decode_bounds_tiling_auto_tiles_follow_the_context(tmp_path):
 
 
 def test_bench_decode_attention_knobs_reach_the_decode_kernel(tmp_path, monkeypatch):
-    """--attention-splits and --attention-stages arrive at every sparse step's decode call
-    (on CPU the torch path ignores them; on CUDA they are the Triton kernel's)."""
+    """--attention-splits, --attention-stages and --attention-merges arrive at every sparse
+    step's decode call (on CPU the torch path ignores them; on CUDA they are the Triton kernel's)."""
     import oasiskv.layers.attention as attention
 
     seen, real = set(), attention.paged_decode
 
     def spy(*args):
-        seen.add(args[7:9])  # num_splits, num_stages
+        seen.add(args[7:10])  # num_splits, num_stages, fused_merge
         return real(*args)
 
     monkeypatch.setattr(attention, "paged_decode", spy)
     run_bench(tmp_path, "--mode", "sparse", "--context-len", "600", "--batch-size", "2",
-              "--attention-splits", "2", "--attention-stages", "5")
-    assert seen == {(2, 5)}
+              "--attention-splits", "2", "--attention-stages", "5", "--attention-merges", "fused")
+    assert seen == {(2, 5, True)}

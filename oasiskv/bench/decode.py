@@ -55,6 +55,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-stages", default=None,
                    help="comma list: software-pipeline stages of the sparse foreground's decode kernel (5 keeps "
                         "two K/V tiles in flight; default: the kernel's)")
+    p.add_argument("--attention-merges", default="launch",
+                   help="comma list of launch / fused: with splits, the sparse foreground's decode kernel merges "
+                        "them in a second launch, or in the last split program of each (request, kv head)")
     p.add_argument("--gemm-sm-carveouts", default=None,
                    help="comma list: sparse runs whose GEMMs (cuBLASLt) leave N SMs to the pipeline "
                         "(0: none; default: the pipeline's GEMM_SM_CARVEOUT)")
@@ -176,7 +179,7 @@ class DecodeBench:
                    transfer_backend: str | None = None, bounds_tiling: str | None = None,
                    summary_dtype: str | None = None, deferred_layers: int | None = None,
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
-                   attention_stages: int | None = None) -> dict:
+                   attention_stages: int | None = None, fused_merge: bool = False) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -229,6 +232,7 @@ class DecodeBench:
             if gemm_sm_carveout is not None:
                 p.gemm_sm_carveout = gemm_sm_carveout
             p.attention_stages = attention_stages
+            p.attention_fused_merge = fused_merge
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
@@ -266,6 +270,7 @@ class DecodeBench:
                        bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
                        deferred_layers=p.deferred_layers, attention_splits=p.attention_splits or 0,
                        gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
+                       attention_merge="fused" if p.attention_fused_merge else "launch",
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -401,6 +406,8 @@ def run_decode_bench(args) -> int:
         raise ValueError(f"--attention-splits takes counts >= 0 (0: the kernel's choice), not {args.attention_splits!r}")
     if args.attention_stages and any(n < 1 for n in _ints(args.attention_stages)):
         raise ValueError(f"--attention-stages takes counts >= 1, not {args.attention_stages!r}")
+    if set(args.attention_merges.split(",")) - {"launch", "fused"}:
+        raise ValueError(f"--attention-merges takes launch / fused, not {args.attention_merges!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
         raise ValueError(f"--gemm-sm-carveouts takes counts >= 0, not {args.gemm_sm_carveouts!r}")
     if args.blas_library != "default":
@@ -438,17 +445,18 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, carveout, stages in itertools.product(
+                                for tiling, summary, deferred, splits, carveout, stages, merge in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
                                         _ints(args.deferred_layers) if args.deferred_layers else [None],
                                         _ints(args.attention_splits) if args.attention_splits else [None],
                                         _ints(args.gemm_sm_carveouts) if args.gemm_sm_carveouts else [None],
-                                        _ints(args.attention_stages) if args.attention_stages else [None]):
+                                        _ints(args.attention_stages) if args.attention_stages else [None],
+                                        args.attention_merges.split(",")):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
                                                             summary_dtype=summary, deferred_layers=deferred,
                                                             attention_splits=splits, gemm_sm_carveout=carveout,
-                                                            attention_stages=stages))
+                                                            attention_stages=stages, fused_merge=merge == "fused"))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -517,7 +525,8 @@ def print_row(r: dict) -> None:
           f"{'deferred ' + str(r.get('deferred_layers')) if sp else ''} "
           f"{'splits ' + str(r.get('attention_splits') or 'auto') if sp else ''}"
           f"{' carveout ' + str(r['gemm_sm_carveout']) if sp else ''}"
-          f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}", flush=True)
+          f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}"
+          f"{' fused-merge' if sp and r.get('attention_merge') == 'fused' else ''}", flush=True)
 
 
 def print_capacity(c: dict) -> None:

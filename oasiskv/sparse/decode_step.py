@@ -37,7 +37,7 @@ class SparseDecodeStep:
         p.begin_step()
         meta = AttentionMetadata(write_slots=t.write_slots, write_offsets=t.write_offsets, slot_tables=t.slot_tables,
                                  cache_lens=t.cache_lens, query_len=2, num_splits=p.attention_splits,
-                                 num_stages=p.attention_stages, hooks=p)
+                                 num_stages=p.attention_stages, fused_merge=p.attention_fused_merge, hooks=p)
         hidden = self.model(self.ids, t.positions, self.kv_caches, meta)
         p.join()
         p.cached[:R] += p.active[:R].int()  # the token is in the cache now

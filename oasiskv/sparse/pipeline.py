@@ -75,6 +75,10 @@ BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
 # 8.32 ms), the stall under 1% (docs/benchmarks.md).
 GEMM_SM_CARVEOUT = 8
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
+# With splits, the working-set attention's last split program of each (request, kv head) merges
+# them, instead of a merge launch (`paged_decode_triton`'s fused_merge). Prepared, not yet
+# measured on the H200: off until `scripts/gpu_bench_decode.sh merge` has run.
+ATTENTION_FUSED_MERGE = False
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -117,6 +121,7 @@ class LookaheadPipeline:
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
         self.attention_splits = pipeline_attention_splits(max_blocks)  # None: the kernel's choice
         self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
+        self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
