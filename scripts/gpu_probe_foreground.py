@@ -4,7 +4,8 @@
    and cuBLASLt, with torch's SM carve-out off / 4 / 8 SMs: which kernel each picks, how many
    CTAs it launches, and its time alone.
 2. The working-set attention (1 + 128 + 4 blocks per (request, kv head)) as the batch grows,
-   at 1 and 2 splits and a few tilings and pipeline depths: does the kernel's rate per byte
+   at 1 to 3 splits (merged by a second launch, or "fused": by the last split program) and a
+   few tilings and pipeline depths: does the kernel's rate per byte
    rise with more programs or more tiles in flight (a single short wave that leaves memory
    latency exposed) or stay flat (a per-SM limit)?
 
@@ -87,21 +88,24 @@ def probe_attention() -> list[dict]:
         kn = torch.randn(B, 2, HKV, D, device=DEV, dtype=torch.bfloat16)
         vn = torch.randn_like(kn)
         out = torch.empty_like(q)
-        for splits in (1, 2):
+        for splits, fused in ((1, False), (2, False), (2, True), (3, False), (3, True)):
             # 5 stages keep two K/V tiles in flight a program, 3 one (scripts/inspect_decode_kernel.py).
             for tile, warps, stages in ((8, 4, 3), (8, 4, 5), (4, 4, 3), (4, 4, 6)):
                 fn = lambda i: paged_decode_triton(q, kn, vn, pool, slots, lens, D ** -0.5, num_splits=splits,  # noqa: E731
-                                                 tile_blocks=tile, num_warps=warps, num_stages=stages, out=out)
+                                                 tile_blocks=tile, num_warps=warps, num_stages=stages, out=out,
+                                                 fused_merge=fused)
                 try:
                     us = graph_us(fn, reps=10)
                 except Exception as e:  # noqa: BLE001 (a config the compiler refuses)
                     print(f"B {B} splits {splits} tile {tile}: {e!r}"[:160])
                     continue
                 nbytes = B * HKV * ctx * 2 * D * 2
-                r = {"B": B, "splits": splits, "tile_blocks": tile, "num_warps": warps, "num_stages": stages,
+                r = {"B": B, "splits": splits, "fused_merge": fused, "tile_blocks": tile, "num_warps": warps,
+                     "num_stages": stages,
                      "us": round(us, 1), "us_per_request": round(us / B, 2), "TB_s": round(nbytes / us / 1e6, 2)}
                 rows.append(r)
-                print(f"attention B {B:3d} splits {splits} tile {tile} warps {warps} stages {stages}: "
+                print(f"attention B {B:3d} splits {splits}{' fused' if fused else '      '} tile {tile} warps {warps} "
+                      f"stages {stages}: "
                       f"{us:7.1f} us, {r['TB_s']} TB/s")
         del pool
     return rows

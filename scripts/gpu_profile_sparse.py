@@ -5,7 +5,7 @@ foreground's idle time per step named by the kernels around each gap (`bench.tra
 the chrome trace of a few steps (to see what overlaps what).
 
 PYTHONPATH=. python3 scripts/gpu_profile_sparse.py [--context 32768] [--batch 16] [--modes dense,fg,sparse]
-    [--attention-splits N] [--attention-stages N]   # the sparse runs' decode kernel (first value)
+    [--attention-splits N] [--attention-stages N] [--attention-merges fused]   # the sparse runs' decode kernel
 """
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def main():
             first = lambda text: int(text.split(",")[0]) if text else None  # noqa: E731
             res = bench.run_sparse(a.batch, a.context, prefetch=mode != "fg",
                                    attention_splits=first(a.attention_splits),
-                                   attention_stages=first(a.attention_stages))
+                                   attention_stages=first(a.attention_stages),
+                                   fused_merge=a.attention_merges.split(",")[0] == "fused")
         results[bench.label] = res
         print(json.dumps({k: res.get(k) for k in ("mode", "step_ms", "output_tok_s", "roofline_fraction",
                                                  "stall_fraction", "foreground_ms")}), flush=True)
