@@ -15,6 +15,7 @@ import time
 import torch
 
 from oasiskv.entrypoints.llm import LLM
+from oasiskv.engine import sparse_decode
 from oasiskv.sparse import pipeline
 from oasiskv.sampling_params import SamplingParams
 
@@ -42,11 +43,11 @@ def main():
     ap.add_argument("--fused-merge", action="store_true",
                     help="the pipelined step's attention merges its splits in the last split program")
     ap.add_argument("--attention-splits", type=int, default=None,
-                    help="splits of the pipelined step's attention (default: the pipeline's)")
+                    help="splits of the working-set attention, pipelined and in-line (default: the pipeline's)")
     a = ap.parse_args()
     pipeline.ATTENTION_FUSED_MERGE = a.fused_merge  # read by every pipeline the engines below build
-    if a.attention_splits is not None:
-        pipeline.WORKING_SET_SPLITS = a.attention_splits
+    if a.attention_splits is not None:  # both paths, so the in-line tokens are the fused merge's reference
+        pipeline.WORKING_SET_SPLITS = sparse_decode.WORKING_SET_SPLITS = a.attention_splits
     common = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.prompt_len + a.steps + 16, max_num_seqs=4,
                   kv_cache_gb=4.0, summary_dtype=a.summary_dtype)
     g = torch.Generator().manual_seed(0)
