@@ -69,7 +69,7 @@ merge)  # prepared, unmeasured: the attention's last split program merges (no me
   python3 scripts/gpu_check_kernels.py --quick 2>&1 | grep -v "^PASS" | tee "$OUT/check_kernels.log"
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --fused-merge --attention-splits 2 2>&1 | tail -3 \
     | tee "$OUT/check_sparse_engine.log"
-  python3 scripts/gpu_probe_foreground.py 2>&1 | grep "^attention B  16" | tee "$OUT/probe.log"
+  python3 scripts/gpu_probe_foreground.py --batches 16 2>&1 | grep "^attention" | tee "$OUT/probe.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --attention-splits 1,2,3 --attention-merges launch,fused --output-json "$OUT/decode_b16_merge.json" \
     2>&1 | tee "$OUT/decode_b16_merge.log"

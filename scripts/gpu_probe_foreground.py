@@ -9,10 +9,11 @@
    rise with more programs or more tiles in flight (a single short wave that leaves memory
    latency exposed) or stay flat (a per-SM limit)?
 
-    PYTHONPATH=. python3 scripts/gpu_probe_foreground.py   # JSON to $OUT/probe_foreground.json
+    PYTHONPATH=. python3 scripts/gpu_probe_foreground.py [--batches 16,32,64,128]   # JSON to $OUT/probe_foreground.json
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -76,10 +77,10 @@ def probe_gemms() -> list[dict]:
     return rows
 
 
-def probe_attention() -> list[dict]:
+def probe_attention(batches) -> list[dict]:
     rows = []
     ctx = (1 + 128 + 4) * BS
-    for B in (16, 32, 64, 128):
+    for B in batches:
         nblk = ctx // BS
         pool = torch.randn(B * HKV * nblk + 64, 2, BS, D, device=DEV, dtype=torch.bfloat16)
         slots = torch.randperm(pool.shape[0] - 64, device=DEV)[:B * HKV * nblk].view(B, HKV, nblk).int()
@@ -114,7 +115,10 @@ def probe_attention() -> list[dict]:
 def main():
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
-    res = {"gemms": probe_gemms(), "attention": probe_attention()}
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="16,32,64,128", help="batch sizes of the attention part")
+    a = ap.parse_args()
+    res = {"gemms": probe_gemms(), "attention": probe_attention([int(b) for b in a.batches.split(",")])}
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "probe_foreground.json"), "w") as f:
             json.dump(res, f, indent=1)
