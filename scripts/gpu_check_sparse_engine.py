@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from oasiskv.entrypoints.llm import LLM
 from oasiskv.engine import sparse_decode
-from oasiskv.sparse import pipeline
+from oasiskv.entrypoints.llm import LLM
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sparse import pipeline
 
 
 def record_logits(llm):

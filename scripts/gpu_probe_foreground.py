@@ -5,9 +5,9 @@
    CTAs it launches, and its time alone.
 2. The working-set attention (1 + 128 + 4 blocks per (request, kv head)) as the batch grows,
    at 1 to 3 splits (merged by a second launch, or "fused": by the last split program) and a
-   few tilings and pipeline depths: does the kernel's rate per byte
-   rise with more programs or more tiles in flight (a single short wave that leaves memory
-   latency exposed) or stay flat (a per-SM limit)?
+   few tilings and pipeline depths: does the kernel's rate per byte rise with more programs
+   or more tiles in flight (a single short wave that leaves memory latency exposed) or stay
+   flat (a per-SM limit)?
 
     PYTHONPATH=. python3 scripts/gpu_probe_foreground.py [--batches 16,32,64,128]   # JSON to $OUT/probe_foreground.json
 """

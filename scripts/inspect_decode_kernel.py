@@ -27,7 +27,8 @@ from oasiskv.kernels.paged_decode import _decode_split_kernel
 SM90 = GPUTarget("cuda", 90, 32)
 SMEM_PER_SM, REGS_PER_SM, THREADS_PER_SM = 228 * 1024, 65536, 2048
 POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "slot_ptr": "*i32", "len_ptr": "*i32", "pm_ptr": "*fp32",
-            "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "kn_ptr": "*bf16", "vn_ptr": "*bf16", "out_ptr": "*bf16"}
+            "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "kn_ptr": "*bf16", "vn_ptr": "*bf16", "out_ptr": "*bf16",
+            "count_ptr": "*i32"}
 # Strides that are multiples of 16 at the working-set call (the others, e.g. the slot table's
 # per-head stride of 133, are not).
 ALIGNED = {"sq_b", "sq_q", "sq_h", "skv_slot", "skv_kv", "skv_tok", "skn_b", "skn_q", "skn_h",
@@ -37,7 +38,7 @@ ALIGNED = {"sq_b", "sq_q", "sq_h", "skv_slot", "skv_kv", "skv_tok", "skn_b", "sk
 def compile_kernel(tile_blocks: int, num_warps: int, num_stages: int, single: bool = True):
     names = _decode_split_kernel.arg_names
     const = dict(G=4, Q=2, D=128, BS=16, M=16, TILE_BLKS=tile_blocks, UPCAST=False, PRECISION="tf32",
-                 SINGLE=single)
+                 SINGLE=single, FUSED_MERGE=False, MS=8, SC=1)
     sig = {n: POINTERS.get(n) or ("constexpr" if n in const else "fp32" if n == "qk_scale" else "i32")
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in POINTERS or n in ALIGNED}

@@ -64,8 +64,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     """--stage-ablation adds a predict-only and a predict + select run; the first admits
     nothing, and neither counts in the speedups. The transfer and bounds-kernel knobs are
     recorded per run; --summary-dtypes runs sparse once per summary dtype (fp8: a quarter of
-    float32's summary bytes). --attention-splits and --attention-stages are recorded (CPU
-    attention has neither)."""
+    float32's summary bytes). --attention-splits, --attention-stages and --attention-merges are
+    recorded (CPU attention has none of them)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
                     "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
                     "--attention-splits", "1", "--attention-stages", "5", "--attention-merges", "fused")
