@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -73,6 +73,15 @@ merge)  # prepared, unmeasured: the attention's last split program merges (no me
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --attention-splits 1,2,3 --attention-merges launch,fused --output-json "$OUT/decode_b16_merge.json" \
     2>&1 | tee "$OUT/decode_b16_merge.log"
+  ;;
+forks)  # where each layer's stages start (after attention / o_proj / mlp): engine tokens, then batch 16 side by side (~5 min)
+  for f in o_proj mlp; do
+    python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --stages-fork $f 2>&1 | tail -3 \
+      | tee -a "$OUT/check_sparse_engine.log"
+  done
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
+    --attention-splits "${SPLITS:-1,2}" --stage-forks attention,o_proj,mlp --output-json "$OUT/decode_b16_forks.json" \
+    2>&1 | tee "$OUT/decode_b16_forks.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

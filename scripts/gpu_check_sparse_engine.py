@@ -44,7 +44,10 @@ def main():
                     help="the pipelined step's attention merges its splits in the last split program")
     ap.add_argument("--attention-splits", type=int, default=None,
                     help="splits of the working-set attention, pipelined and in-line (default: the pipeline's)")
+    ap.add_argument("--stages-fork", default=pipeline.STAGES_FORK, choices=pipeline.STAGE_FORKS,
+                    help="the part of each layer after which the pipelined step's stages start")
     a = ap.parse_args()
+    pipeline.STAGES_FORK = a.stages_fork
     pipeline.ATTENTION_FUSED_MERGE = a.fused_merge  # read by every pipeline the engines below build
     if a.attention_splits is not None:  # both paths, so the in-line tokens are the fused merge's reference
         pipeline.WORKING_SET_SPLITS = sparse_decode.WORKING_SET_SPLITS = a.attention_splits
@@ -92,7 +95,7 @@ def main():
                   for x, y in zip(capped["on", "on"], capped["on", "off"])]
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
            "summary_dtype": a.summary_dtype, "fused_merge": a.fused_merge,
-           "attention_splits": a.attention_splits,
+           "attention_splits": a.attention_splits, "stages_fork": a.stages_fork,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,

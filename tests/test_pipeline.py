@@ -172,3 +172,25 @@ def test_dma_backend_moves_what_the_kernel_moves():
     assert torch.equal(pools["uva"][1], pools["dma"][1])
     assert torch.equal(pools["uva"][0], pools["dma"][0])
     assert not torch.equal(pools["uva"][0], kv0)
+
+
+def test_every_layer_offers_its_fork_points_in_order(monkeypatch):
+    """Each layer of a sparse step offers the pipeline the points its stages may start from,
+    attention, o_proj, mlp, in order (`pipeline.STAGES_FORK` picks one on CUDA streams; on CPU
+    the stages run in-line at the attention, so the tokens cannot depend on it)."""
+    from oasiskv.sparse.pipeline import STAGE_FORKS, LookaheadPipeline
+
+    seen, real = [], LookaheadPipeline.fork_point
+
+    def spy(self, layer, part):
+        seen.append((layer, part))
+        return real(self, layer, part)
+
+    monkeypatch.setattr(LookaheadPipeline, "fork_point", spy)
+    llm = LLM(sparse_pipeline="on", **BUDGET)
+    ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:400]
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    L = llm.engine.runner.model.config.num_layers
+    per_step = [(layer, part) for layer in range(L) for part in STAGE_FORKS]
+    assert seen and len(seen) % len(per_step) == 0
+    assert seen == per_step * (len(seen) // len(per_step))

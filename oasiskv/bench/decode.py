@@ -58,6 +58,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-merges", default="launch",
                    help="comma list of launch / fused: with splits, the sparse foreground's decode kernel merges "
                         "them in a second launch, or in the last split program of each (request, kv head)")
+    p.add_argument("--stage-forks", default=None,
+                   help="comma list of attention / o_proj / mlp: the part of each layer after which the "
+                        "pipeline's stages start on their streams (default: the pipeline's STAGES_FORK)")
     p.add_argument("--gemm-sm-carveouts", default=None,
                    help="comma list: sparse runs whose GEMMs (cuBLASLt) leave N SMs to the pipeline "
                         "(0: none; default: the pipeline's GEMM_SM_CARVEOUT)")
@@ -179,7 +182,8 @@ class DecodeBench:
                    transfer_backend: str | None = None, bounds_tiling: str | None = None,
                    summary_dtype: str | None = None, deferred_layers: int | None = None,
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
-                   attention_stages: int | None = None, fused_merge: bool = False) -> dict:
+                   attention_stages: int | None = None, fused_merge: bool = False,
+                   stages_fork: str | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -233,6 +237,7 @@ class DecodeBench:
                 p.gemm_sm_carveout = gemm_sm_carveout
             p.attention_stages = attention_stages
             p.attention_fused_merge = fused_merge
+            p.stages_fork = stages_fork or p.stages_fork
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
@@ -271,6 +276,7 @@ class DecodeBench:
                        deferred_layers=p.deferred_layers, attention_splits=p.attention_splits or 0,
                        gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
                        attention_merge="fused" if p.attention_fused_merge else "launch",
+                       stages_fork=p.stages_fork,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -408,6 +414,9 @@ def run_decode_bench(args) -> int:
         raise ValueError(f"--attention-stages takes counts >= 1, not {args.attention_stages!r}")
     if set(args.attention_merges.split(",")) - {"launch", "fused"}:
         raise ValueError(f"--attention-merges takes launch / fused, not {args.attention_merges!r}")
+    from oasiskv.sparse.pipeline import STAGE_FORKS
+    if args.stage_forks and set(args.stage_forks.split(",")) - set(STAGE_FORKS):
+        raise ValueError(f"--stage-forks takes {' / '.join(STAGE_FORKS)}, not {args.stage_forks!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
         raise ValueError(f"--gemm-sm-carveouts takes counts >= 0, not {args.gemm_sm_carveouts!r}")
     if args.blas_library != "default":
@@ -445,18 +454,20 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, carveout, stages, merge in itertools.product(
+                                for tiling, summary, deferred, splits, carveout, stages, merge, fork in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
                                         _ints(args.deferred_layers) if args.deferred_layers else [None],
                                         _ints(args.attention_splits) if args.attention_splits else [None],
                                         _ints(args.gemm_sm_carveouts) if args.gemm_sm_carveouts else [None],
                                         _ints(args.attention_stages) if args.attention_stages else [None],
-                                        args.attention_merges.split(",")):
+                                        args.attention_merges.split(","),
+                                        args.stage_forks.split(",") if args.stage_forks else [None]):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
                                                             summary_dtype=summary, deferred_layers=deferred,
                                                             attention_splits=splits, gemm_sm_carveout=carveout,
-                                                            attention_stages=stages, fused_merge=merge == "fused"))
+                                                            attention_stages=stages, fused_merge=merge == "fused",
+                                                            stages_fork=fork))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -526,7 +537,9 @@ def print_row(r: dict) -> None:
           f"{'splits ' + str(r.get('attention_splits') or 'auto') if sp else ''}"
           f"{' carveout ' + str(r['gemm_sm_carveout']) if sp else ''}"
           f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}"
-          f"{' fused-merge' if sp and r.get('attention_merge') == 'fused' else ''}", flush=True)
+          f"{' fused-merge' if sp and r.get('attention_merge') == 'fused' else ''}"
+          f"{' fork ' + r['stages_fork'] if sp and r.get('stages_fork', 'attention') != 'attention' else ''}",
+          flush=True)
 
 
 def print_capacity(c: dict) -> None:

@@ -36,7 +36,7 @@ class AttentionMetadata:
     num_splits: int | None = None  # the decode kernel's splits per (sequence, head); None: its choice
     num_stages: int | None = None  # the decode kernel's software-pipeline stages; None: its default
     fused_merge: bool = False  # the decode kernel's last split program merges (no merge launch)
-    hooks: object = None  # sparse step hooks: summary_fold(layer), before_attention / after_attention
+    hooks: object = None  # sparse step hooks: summary_fold, before_ / after_attention, fork_point
 
     @property
     def is_prefill(self) -> bool:

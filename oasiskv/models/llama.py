@@ -53,7 +53,10 @@ class LlamaAttention(nn.Module):
                                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                                kv_cache, meta.write_slots, meta.write_offsets, fold)
         o = attend(q, k, v, kv_cache, meta, self.scale, self.layer)
-        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+        o = self.o_proj(o.reshape(x.shape[0], self.q_size))
+        if meta.hooks is not None:
+            meta.hooks.fork_point(self.layer, "o_proj")
+        return o
 
 
 class LlamaMLP(nn.Module):
@@ -82,7 +85,10 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if meta.hooks is not None:
+            meta.hooks.fork_point(self.self_attn.layer, "mlp")
+        return x, residual
 
 
 class LlamaModel(nn.Module):

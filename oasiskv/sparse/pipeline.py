@@ -79,6 +79,13 @@ DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `be
 # them, instead of a merge launch (`paged_decode_triton`'s fused_merge). Prepared, not yet
 # measured on the H200: off until `scripts/gpu_bench_decode.sh merge` has run.
 ATTENTION_FUSED_MERGE = False
+# Where in layer l the foreground hands its stages to the predict stream: after the attention
+# (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
+# the o_proj GEMM, or after the MLP. A later fork launches the bounds scan's programs once the
+# next foreground kernel already holds its SMs, instead of both racing for them when the
+# attention ends (the profile's 10 µs gap before every o_proj, docs/benchmarks.md).
+STAGE_FORKS = ("attention", "o_proj", "mlp")
+STAGES_FORK = "attention"
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -123,6 +130,7 @@ class LookaheadPipeline:
         self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
         self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
+        self.stages_fork = STAGES_FORK  # the part of a layer after which its stages start (side streams)
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
@@ -329,7 +337,7 @@ class LookaheadPipeline:
 
     def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
         """The layer's epilogue has folded its keys and copied the draft queries out
-        (`summary_fold`): the stages start."""
+        (`summary_fold`): the stages can start (in order here when they run in-line)."""
         if not self.prefetch:
             return
         if not self.background:
@@ -338,6 +346,12 @@ class LookaheadPipeline:
                 self.select(layer)
             if self.stages >= 3 and layer not in self.deferred_range():
                 self.transfer(layer)
+        self.fork_point(layer, "attention")  # side streams: the stages start here or later
+
+    def fork_point(self, layer: int, part: str) -> None:
+        """The foreground has launched `part` of layer l (attention, o_proj, mlp): at the
+        `stages_fork` part, layer l's stages start on the side streams."""
+        if not (self.background and self.prefetch) or part != self.stages_fork:
             return
         predict, select, transfer = self.streams
         predict.wait_stream(torch.cuda.current_stream(self.device))

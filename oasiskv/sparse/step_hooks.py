@@ -53,3 +53,6 @@ class SparseStepHooks:
         if self.prefetch:  # not the oracle's first pass: that one only finds the true token
             for observe in m.observers:
                 observe(layer, q, self)
+
+    def fork_point(self, layer: int, part: str) -> None:
+        return None  # the in-line path runs its stages inside `after_attention`
