@@ -51,7 +51,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-splits", default=None,
                    help="comma list: splits per (request, kv head) of the sparse foreground's decode kernel; 0 = "
                         "the kernel's own choice, 1 = one program each and no merge launch (default: the "
-                        "pipeline's, 1 or from 1,536 blocks 2)")
+                        "pipeline's WORKING_SET_SPLITS)")
     p.add_argument("--attention-stages", default=None,
                    help="comma list: software-pipeline stages of the sparse foreground's decode kernel (5 keeps "
                         "two K/V tiles in flight; default: the kernel's)")

@@ -54,13 +54,9 @@ TRANSFER_BACKENDS = ("uva", "dma")
 # 0.10 ms slower in the eighth (docs/benchmarks.md). The in-line path uses it too when only
 # working sets are in a batch.
 WORKING_SET_SPLITS = 1
-# ... but beside the pipeline's stages, two splits once the requests are long: the bounds
-# scan of each layer grows with the context and holds SMs while the attention runs, and
-# shorter programs balance around them. In three pairs from two H200 sessions at batch 16,
-# two splits were faster at 32K (8.31 -> 8.06, 8.04 -> 7.86, 8.03 -> 7.86 ms) and slower at
-# 16K (7.93 -> 8.16, 7.44 -> 7.68, 7.43 -> 8.10); the threshold lies between the two, not
-# measured finer.
-LONG_SCAN_BLOCKS = 1536
+# (Until 2026-12-01 the pipelined step took two splits from 1,536 blocks, when the stages
+# forked after the attention; with the fork after o_proj one split was faster at 32K too:
+# 7.77 / 7.78 against 7.85-7.93 ms with two, in one H200 process. See STAGES_FORK.)
 # The bounds kernel (the prediction's scan of the summaries): 64 blocks a tile, 3 load stages,
 # and about 3 programs per (request, kv head), whatever the context. In one H200 call at
 # batch 16 the step was fastest where the tiling gave 3 programs: 16K 64:8:3 (7.46 ms; 2
@@ -76,16 +72,21 @@ BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
 GEMM_SM_CARVEOUT = 8
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 # With splits, the working-set attention's last split program of each (request, kv head) merges
-# them, instead of a merge launch (`paged_decode_triton`'s fused_merge). Prepared, not yet
-# measured on the H200: off until `scripts/gpu_bench_decode.sh merge` has run.
+# them, instead of a merge launch (`paged_decode_triton`'s fused_merge). Measured on the H200:
+# no gain (44.3 against 44.5 µs alone at two splits; in the step 7.46 vs
+# 7.47 ms at one split, 7.63 vs 7.65 at two, 16K; docs/benchmarks.md), so off.
 ATTENTION_FUSED_MERGE = False
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
-# the o_proj GEMM, or after the MLP. A later fork launches the bounds scan's programs once the
-# next foreground kernel already holds its SMs, instead of both racing for them when the
-# attention ends (the profile's 10 µs gap before every o_proj, docs/benchmarks.md).
+# the o_proj GEMM, or after the MLP. Forked at the attention, the bounds scan's programs and
+# the o_proj GEMM raced for the SMs the attention freed, and the GEMM waited ~10 µs a layer
+# (the 16K profile's idle-gap table, docs/benchmarks.md). Forked after o_proj, the GEMM's CTAs
+# are placed first and the scan fills the SMs around them. One H200 process, batch 16, fp8
+# summaries, one split: 32K 8.16 / 8.15 -> 7.77 / 7.78 ms (the default until then, two splits
+# forked at the attention: 7.93 / 7.92); 16K 7.53 / 7.53 -> 7.50 / 7.55 (no change). After the
+# MLP: no gain at either (docs/benchmarks.md, "Fifth session").
 STAGE_FORKS = ("attention", "o_proj", "mlp")
-STAGES_FORK = "attention"
+STAGES_FORK = "o_proj"
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -93,12 +94,6 @@ def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS
     tiles per program that give each (request, kv head) about BOUNDS_PROGRAMS_PER_HEAD programs."""
     tiles = -(-max_blocks // tile)
     return tile, max(1, -(-tiles // BOUNDS_PROGRAMS_PER_HEAD)), stages
-
-
-def pipeline_attention_splits(max_blocks: int) -> int:
-    """The decode kernel's splits over working sets in a pipelined step whose requests have up
-    to `max_blocks` blocks (the width of the bounds scan)."""
-    return WORKING_SET_SPLITS if max_blocks < LONG_SCAN_BLOCKS else 2
 
 
 class LookaheadPipeline:
@@ -126,7 +121,7 @@ class LookaheadPipeline:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
-        self.attention_splits = pipeline_attention_splits(max_blocks)  # None: the kernel's choice
+        self.attention_splits = WORKING_SET_SPLITS  # None: the kernel's choice
         self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
         self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
