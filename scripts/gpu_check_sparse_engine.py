@@ -44,8 +44,9 @@ def main():
                     help="the pipelined step's attention merges its splits in the last split program")
     ap.add_argument("--attention-splits", type=int, default=None,
                     help="splits of the working-set attention, pipelined and in-line (default: the pipeline's)")
-    ap.add_argument("--stages-fork", default=pipeline.STAGES_FORK, choices=pipeline.STAGE_FORKS,
-                    help="the part of each layer after which the pipelined step's stages start")
+    ap.add_argument("--stages-fork", default=None, choices=pipeline.STAGE_FORKS,
+                    help="the part of each layer after which the pipelined step's stages start "
+                         "(default: the pipeline's, from the context)")
     a = ap.parse_args()
     pipeline.STAGES_FORK = a.stages_fork
     pipeline.ATTENTION_FUSED_MERGE = a.fused_merge  # read by every pipeline the engines below build

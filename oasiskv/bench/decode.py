@@ -60,7 +60,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "them in a second launch, or in the last split program of each (request, kv head)")
     p.add_argument("--stage-forks", default=None,
                    help="comma list of attention / o_proj / mlp: the part of each layer after which the "
-                        "pipeline's stages start on their streams (default: the pipeline's STAGES_FORK)")
+                        "pipeline's stages start on their streams (default: the pipeline's, from the context)")
     p.add_argument("--gemm-sm-carveouts", default=None,
                    help="comma list: sparse runs whose GEMMs (cuBLASLt) leave N SMs to the pipeline "
                         "(0: none; default: the pipeline's GEMM_SM_CARVEOUT)")

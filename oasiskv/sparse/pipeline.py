@@ -55,8 +55,9 @@ TRANSFER_BACKENDS = ("uva", "dma")
 # working sets are in a batch.
 WORKING_SET_SPLITS = 1
 # (Until 2026-12-01 the pipelined step took two splits from 1,536 blocks, when the stages
-# forked after the attention; with the fork after o_proj one split was faster at 32K too:
-# 7.77 / 7.78 against 7.85-7.93 ms with two, in one H200 process. See STAGES_FORK.)
+# forked after the attention; with the fork after o_proj from there (`stages_fork`), one split
+# was faster at 32K too: 7.77 / 7.78 against 7.85-7.93 ms with two, in one H200 process.)
+LONG_SCAN_BLOCKS = 1536
 # The bounds kernel (the prediction's scan of the summaries): 64 blocks a tile, 3 load stages,
 # and about 3 programs per (request, kv head), whatever the context. In one H200 call at
 # batch 16 the step was fastest where the tiling gave 3 programs: 16K 64:8:3 (7.46 ms; 2
@@ -79,14 +80,15 @@ ATTENTION_FUSED_MERGE = False
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
 # the o_proj GEMM, or after the MLP. Forked at the attention, the bounds scan's programs and
-# the o_proj GEMM raced for the SMs the attention freed, and the GEMM waited ~10 µs a layer
+# the o_proj GEMM race for the SMs the attention freed, and the GEMM waited ~10 µs a layer
 # (the 16K profile's idle-gap table, docs/benchmarks.md). Forked after o_proj, the GEMM's CTAs
-# are placed first and the scan fills the SMs around them. One H200 process, batch 16, fp8
-# summaries, one split: 32K 8.16 / 8.15 -> 7.77 / 7.78 ms (the default until then, two splits
-# forked at the attention: 7.93 / 7.92); 16K 7.53 / 7.53 -> 7.50 / 7.55 (no change). After the
-# MLP: no gain at either (docs/benchmarks.md, "Fifth session").
+# are placed first and the scan fills the SMs around them. That pays once the scan is long:
+# in three same-process pairs on one H200 (batch 16, fp8 summaries, one split), 32K went
+# 8.16 / 8.15 / 8.08 -> 7.77 / 7.78 / 7.80 ms. At 16K the pairs went both ways (-0.03 to
+# +0.29 ms, +0.10 on average), so shorter requests keep the attention fork. After the MLP:
+# no gain at either. None: by the context (`stages_fork`); or one of STAGE_FORKS.
 STAGE_FORKS = ("attention", "o_proj", "mlp")
-STAGES_FORK = "o_proj"
+STAGES_FORK = None
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -94,6 +96,14 @@ def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS
     tiles per program that give each (request, kv head) about BOUNDS_PROGRAMS_PER_HEAD programs."""
     tiles = -(-max_blocks // tile)
     return tile, max(1, -(-tiles // BOUNDS_PROGRAMS_PER_HEAD)), stages
+
+
+def stages_fork(max_blocks: int) -> str:
+    """The part of each layer after which a pipelined step's stages start, for requests of up
+    to `max_blocks` blocks (the width of the bounds scan)."""
+    if STAGES_FORK is not None:
+        return STAGES_FORK
+    return "o_proj" if max_blocks >= LONG_SCAN_BLOCKS else "attention"
 
 
 class LookaheadPipeline:
@@ -125,7 +135,7 @@ class LookaheadPipeline:
         self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
         self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
-        self.stages_fork = STAGES_FORK  # the part of a layer after which its stages start (side streams)
+        self.stages_fork = stages_fork(max_blocks)  # the part of a layer after which its stages start
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
