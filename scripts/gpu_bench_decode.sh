@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|next|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -82,6 +82,13 @@ forks)  # where each layer's stages start (after attention / o_proj / mlp): engi
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --attention-splits "${SPLITS:-1,2}" --stage-forks attention,o_proj,mlp --output-json "$OUT/decode_b16_forks.json" \
     2>&1 | tee "$OUT/decode_b16_forks.log"
+  ;;
+next)  # prepared, unmeasured: with the fork rule, attention stages at both contexts; more transfer programs at 16K (~6 min)
+  bench --sweep --batch-sizes 16 --context-lens 32768,16384 --steps 32 --summary-dtypes fp8 \
+    --attention-stages 3,5,3,5 --output-json "$OUT/decode_b16_next_stages.json" 2>&1 | tee "$OUT/decode_b16_next_stages.log"
+  bench --sweep --batch-sizes 16 --context-lens 16384 --steps 32 --summary-dtypes fp8 \
+    --transfer-programs 8,12 --gemm-sm-carveouts 8,12 --output-json "$OUT/decode_b16_next_transfer.json" \
+    2>&1 | tee "$OUT/decode_b16_next_transfer.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
