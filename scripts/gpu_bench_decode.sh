@@ -65,7 +65,7 @@ bounds)  # the bounds kernel's load stages and tile (its shared memory decides w
     --stage-ablation --bounds-tiling auto,64:auto:1,64:auto:2,32:auto:1,32:auto:2 \
     --output-json "$OUT/decode_b16_bounds_stages.json" 2>&1 | tee "$OUT/decode_b16_bounds_stages.log"
   ;;
-merge)  # prepared, unmeasured: the attention's last split program merges (no merge launch); checks, engine tokens, batch 16 side by side (~6 min)
+merge)  # the attention's last split program merges (no merge launch; measured 2026-12-01: no gain); checks, engine tokens, batch 16 side by side (~4 min)
   python3 scripts/gpu_check_kernels.py --quick 2>&1 | grep -v "^PASS" | tee "$OUT/check_kernels.log"
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --fused-merge --attention-splits 2 2>&1 | tail -3 \
     | tee "$OUT/check_sparse_engine.log"

@@ -54,9 +54,10 @@ TRANSFER_BACKENDS = ("uva", "dma")
 # 0.10 ms slower in the eighth (docs/benchmarks.md). The in-line path uses it too when only
 # working sets are in a batch.
 WORKING_SET_SPLITS = 1
-# (Until 2026-12-01 the pipelined step took two splits from 1,536 blocks, when the stages
-# forked after the attention; with the fork after o_proj from there (`stages_fork`), one split
-# was faster at 32K too: 7.77 / 7.78 against 7.85-7.93 ms with two, in one H200 process.)
+# From this many blocks (24K tokens) a layer's bounds scan is long enough that its stages
+# fork after o_proj (`stages_fork`). Until 2026-12-01 the pipelined step took two attention
+# splits from here instead, with the fork after the attention; with the o_proj fork one split
+# was faster at 32K too (7.77 / 7.78 against 7.85-7.93 ms with two, in one H200 process).
 LONG_SCAN_BLOCKS = 1536
 # The bounds kernel (the prediction's scan of the summaries): 64 blocks a tile, 3 load stages,
 # and about 3 programs per (request, kv head), whatever the context. In one H200 call at
@@ -74,8 +75,8 @@ GEMM_SM_CARVEOUT = 8
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 # With splits, the working-set attention's last split program of each (request, kv head) merges
 # them, instead of a merge launch (`paged_decode_triton`'s fused_merge). Measured on the H200:
-# no gain (44.3 against 44.5 µs alone at two splits; in the step 7.46 vs
-# 7.47 ms at one split, 7.63 vs 7.65 at two, 16K; docs/benchmarks.md), so off.
+# no gain (44.3 against 44.5 µs alone at two splits; in the 16K step 7.63 against 7.65 ms at
+# two splits; docs/benchmarks.md), so off.
 ATTENTION_FUSED_MERGE = False
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
