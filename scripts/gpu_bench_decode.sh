@@ -83,7 +83,18 @@ forks)  # where each layer's stages start (after attention / o_proj / mlp): engi
     --attention-splits "${SPLITS:-1,2}" --stage-forks attention,o_proj,mlp --output-json "$OUT/decode_b16_forks.json" \
     2>&1 | tee "$OUT/decode_b16_forks.log"
   ;;
-next)  # prepared, unmeasured: with the fork rule, attention stages at both contexts; more transfer programs at 16K (~6 min)
+next)  # prepared, unmeasured (~8 min): the transfer through TMA (checks, alone and beside GEMMs, engine tokens, batch 16),
+       # then attention stages under the fork rule and more transfer programs at 16K
+  python3 scripts/gpu_check_transfer_tma.py --json "$OUT/check_transfer_tma.json" > "$OUT/check_transfer_tma.log" 2>&1
+  grep -q "tma exact: True" "$OUT/check_transfer_tma.log" && TMA=1 || TMA=0
+  grep "exact\|alone GB/s\|slowdown\|error" "$OUT/check_transfer_tma.log"
+  if [ $TMA = 1 ]; then
+    python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --transfer-tma-stages 6 2>&1 | tail -3 \
+      | tee "$OUT/check_sparse_engine_tma.log"
+    bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
+      --transfer-programs 4,8 --transfer-tma-stages 0,6 --output-json "$OUT/decode_b16_next_tma.json" \
+      2>&1 | tee "$OUT/decode_b16_next_tma.log"
+  fi
   bench --sweep --batch-sizes 16 --context-lens 32768,16384 --steps 32 --summary-dtypes fp8 \
     --attention-stages 3,5,3,5 --output-json "$OUT/decode_b16_next_stages.json" 2>&1 | tee "$OUT/decode_b16_next_stages.log"
   bench --sweep --batch-sizes 16 --context-lens 16384 --steps 32 --summary-dtypes fp8 \

@@ -47,8 +47,11 @@ def main():
     ap.add_argument("--stages-fork", default=None, choices=pipeline.STAGE_FORKS,
                     help="the part of each layer after which the pipelined step's stages start "
                          "(default: the pipeline's, from the context)")
+    ap.add_argument("--transfer-tma-stages", type=int, default=0,
+                    help="> 0: the pipelined step's transfer loads through TMA, this many deep")
     a = ap.parse_args()
     pipeline.STAGES_FORK = a.stages_fork
+    pipeline.TRANSFER_TMA_STAGES = a.transfer_tma_stages
     pipeline.ATTENTION_FUSED_MERGE = a.fused_merge  # read by every pipeline the engines below build
     if a.attention_splits is not None:  # both paths, so the in-line tokens are the fused merge's reference
         pipeline.WORKING_SET_SPLITS = sparse_decode.WORKING_SET_SPLITS = a.attention_splits
@@ -97,6 +100,7 @@ def main():
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
            "summary_dtype": a.summary_dtype, "fused_merge": a.fused_merge,
            "attention_splits": a.attention_splits, "stages_fork": a.stages_fork,
+           "transfer_tma_stages": a.transfer_tma_stages,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,

@@ -64,12 +64,13 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     """--stage-ablation adds a predict-only and a predict + select run; the first admits
     nothing, and neither counts in the speedups. The transfer and bounds-kernel knobs are
     recorded per run; --summary-dtypes runs sparse once per summary dtype (fp8: a quarter of
-    float32's summary bytes). --attention-splits, --attention-stages, --attention-merges and
-    --stage-forks are recorded (CPU attention has none of them; CPU stages run in-line)."""
+    float32's summary bytes). --attention-splits, --attention-stages, --attention-merges,
+    --stage-forks and --transfer-tma-stages are recorded (CPU attention has none of them; CPU
+    stages run in-line, and the CPU transfer is torch indexing)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
                     "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
                     "--attention-splits", "1", "--attention-stages", "5", "--attention-merges", "fused",
-                    "--stage-forks", "o_proj")
+                    "--stage-forks", "o_proj", "--transfer-tma-stages", "6")
     dense, sparse, fp8, predict, select = res["runs"]
     assert (sparse["summary_dtype"], fp8["summary_dtype"]) == ("auto", "fp8")
     assert fp8["summary_bytes_per_step"] * 4 == sparse["summary_bytes_per_step"] and fp8["admitted_per_step"] > 0
@@ -77,8 +78,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
     assert predict["fetched_bytes_per_step"] == 0
     knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling", "attention_splits",
-             "attention_stages", "attention_merge", "stages_fork")
-    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, "fused", "o_proj"]
+             "attention_stages", "attention_merge", "stages_fork", "transfer_tma_stages")
+    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, "fused", "o_proj", 6]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]
 
@@ -88,7 +89,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
                                         ("--bounds-tiling", "64:auto:x"),
                                         ("--deferred-layers", "2,-1"), ("--attention-splits", "-2"),
                                         ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0"),
-                                        ("--attention-merges", "atomic"), ("--stage-forks", "attention,qkv")])
+                                        ("--attention-merges", "atomic"), ("--stage-forks", "attention,qkv"),
+                                        ("--transfer-tma-stages", "6,-1")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""

@@ -61,6 +61,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-forks", default=None,
                    help="comma list of attention / o_proj / mlp: the part of each layer after which the "
                         "pipeline's stages start on their streams (default: the pipeline's, from the context)")
+    p.add_argument("--transfer-tma-stages", default=None,
+                   help="comma list: 0 = the transfer kernel loads through the SMs' load units, N > 0 = "
+                        "through TMA, N deep (default: the pipeline's TRANSFER_TMA_STAGES)")
     p.add_argument("--gemm-sm-carveouts", default=None,
                    help="comma list: sparse runs whose GEMMs (cuBLASLt) leave N SMs to the pipeline "
                         "(0: none; default: the pipeline's GEMM_SM_CARVEOUT)")
@@ -183,7 +186,7 @@ class DecodeBench:
                    summary_dtype: str | None = None, deferred_layers: int | None = None,
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
                    attention_stages: int | None = None, fused_merge: bool = False,
-                   stages_fork: str | None = None) -> dict:
+                   stages_fork: str | None = None, tma_stages: int | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -238,6 +241,8 @@ class DecodeBench:
             p.attention_stages = attention_stages
             p.attention_fused_merge = fused_merge
             p.stages_fork = stages_fork or p.stages_fork
+            if tma_stages is not None:
+                p.transfer_tma_stages = tma_stages
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
@@ -276,7 +281,7 @@ class DecodeBench:
                        deferred_layers=p.deferred_layers, attention_splits=p.attention_splits or 0,
                        gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
                        attention_merge="fused" if p.attention_fused_merge else "launch",
-                       stages_fork=p.stages_fork,
+                       stages_fork=p.stages_fork, transfer_tma_stages=p.transfer_tma_stages,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -417,6 +422,8 @@ def run_decode_bench(args) -> int:
     from oasiskv.sparse.pipeline import STAGE_FORKS
     if args.stage_forks and set(args.stage_forks.split(",")) - set(STAGE_FORKS):
         raise ValueError(f"--stage-forks takes {' / '.join(STAGE_FORKS)}, not {args.stage_forks!r}")
+    if args.transfer_tma_stages and any(n < 0 for n in _ints(args.transfer_tma_stages)):
+        raise ValueError(f"--transfer-tma-stages takes counts >= 0, not {args.transfer_tma_stages!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
         raise ValueError(f"--gemm-sm-carveouts takes counts >= 0, not {args.gemm_sm_carveouts!r}")
     if args.blas_library != "default":
@@ -454,20 +461,21 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, carveout, stages, merge, fork in itertools.product(
+                                for tiling, summary, deferred, splits, carveout, stages, merge, fork, tma in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
                                         _ints(args.deferred_layers) if args.deferred_layers else [None],
                                         _ints(args.attention_splits) if args.attention_splits else [None],
                                         _ints(args.gemm_sm_carveouts) if args.gemm_sm_carveouts else [None],
                                         _ints(args.attention_stages) if args.attention_stages else [None],
                                         args.attention_merges.split(","),
-                                        args.stage_forks.split(",") if args.stage_forks else [None]):
+                                        args.stage_forks.split(",") if args.stage_forks else [None],
+                                        _ints(args.transfer_tma_stages) if args.transfer_tma_stages else [None]):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
                                                             summary_dtype=summary, deferred_layers=deferred,
                                                             attention_splits=splits, gemm_sm_carveout=carveout,
                                                             attention_stages=stages, fused_merge=merge == "fused",
-                                                            stages_fork=fork))
+                                                            stages_fork=fork, tma_stages=tma))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -538,7 +546,8 @@ def print_row(r: dict) -> None:
           f"{' carveout ' + str(r['gemm_sm_carveout']) if sp else ''}"
           f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}"
           f"{' fused-merge' if sp and r.get('attention_merge') == 'fused' else ''}"
-          f"{' fork ' + r['stages_fork'] if sp and r.get('stages_fork', 'attention') != 'attention' else ''}",
+          f"{' fork ' + r['stages_fork'] if sp and r.get('stages_fork', 'attention') != 'attention' else ''}"
+          f"{' tma ' + str(r['transfer_tma_stages']) if sp and r.get('transfer_tma_stages') else ''}",
           flush=True)
 
 

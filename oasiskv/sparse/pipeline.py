@@ -88,6 +88,10 @@ ATTENTION_FUSED_MERGE = False
 # 8.16 / 8.15 / 8.08 -> 7.77 / 7.78 / 7.80 ms. At 16K the pairs went both ways (-0.03 to
 # +0.29 ms, +0.10 on average), so shorter requests keep the attention fork. After the MLP:
 # no gain at either. None: by the context (`stages_fork`); or one of STAGE_FORKS.
+# The transfer kernel's loads: 0 = the SM's load units (`fetch_admitted`'s default kernel), N > 0
+# = TMA box loads, N deep (`copy_items._fetch_tma`). Prepared, not yet measured on the H200
+# (`scripts/gpu_check_transfer_tma.py`, `bash scripts/gpu_bench_decode.sh next`), so off.
+TRANSFER_TMA_STAGES = 0
 STAGE_FORKS = ("attention", "o_proj", "mlp")
 STAGES_FORK = None
 
@@ -128,6 +132,7 @@ class LookaheadPipeline:
         self.transfer_programs = transfer_programs
         self.transfer_items = ITEMS_PER_LOAD  # items each transfer program has in flight
         self.transfer_warps = NUM_WARPS  # warps of each transfer program
+        self.transfer_tma_stages = TRANSFER_TMA_STAGES  # > 0: the transfer loads through TMA
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
@@ -423,7 +428,7 @@ class LookaheadPipeline:
         fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer, :B * H],
                        self.admit_slots[layer, :B * H], self.pages[:B], self.extent_start[:B],
                        self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items,
-                       self.transfer_warps)
+                       self.transfer_warps, self.transfer_tma_stages)
 
     def write_through(self, wt: WriteThrough | None = None) -> None:
         """The blocks a step completed (this step's, or `wt`: the last step's), GPU -> host."""
