@@ -20,6 +20,7 @@ import json
 
 import torch
 
+from gpu_check_pipeline import time_eager  # scripts/ is on the path when run as a script
 from oasiskv.kernels.copy_items import device_view, fetch_admitted
 from oasiskv.sparse.host_pool import HostKVPool
 
@@ -33,18 +34,6 @@ def plan(gen):
     blocks[:, ::5, -1] = -1
     slots = torch.stack([torch.randperm(P - S - 4, generator=gen)[:C] for _ in range(L * R * H)])
     return blocks.to(dev), slots.view(L, R * H, C).int().to(dev)
-
-
-def timed_ms(fn, iters: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> int:
@@ -98,7 +87,7 @@ def main() -> int:
             with torch.cuda.graph(g):
                 step_of(programs, stages)()
             graphs[(name, programs, stages)] = g
-            ms = timed_ms(g.replay)
+            ms = time_eager(g.replay)
             res[f"{name} P={programs} stages={stages} alone GB/s"] = moved / ms / 1e6
         except Exception as exc:  # noqa: BLE001 (report and go on)
             res[f"{name} P={programs} stages={stages} error"] = repr(exc)[:200]
@@ -108,7 +97,7 @@ def main() -> int:
     x = torch.randn(32, 4096, dtype=torch.bfloat16, device=dev)
     ws = [torch.randn(24576, 4096, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(4)]
     gemms = lambda: [torch.nn.functional.linear(x, ws[i % 4]) for i in range(140)]  # noqa: E731 (~7 ms)
-    res["GEMMs alone ms"] = alone = timed_ms(gemms)
+    res["GEMMs alone ms"] = alone = time_eager(gemms)
     side = torch.cuda.Stream()
     for key, g in graphs.items():
         def both():
@@ -117,7 +106,7 @@ def main() -> int:
                 g.replay()
             gemms()
             torch.cuda.current_stream().wait_stream(side)
-        ms = timed_ms(both)
+        ms = time_eager(both)
         res[f"{key[0]} P={key[1]} stages={key[2]} + GEMMs ms"] = ms
         res[f"{key[0]} P={key[1]} stages={key[2]} GEMM slowdown"] = ms / alone
         print(key, f"{ms:.2f} ms against {alone:.2f} alone", flush=True)

@@ -158,20 +158,28 @@ def write_through(kv: torch.Tensor, host: torch.Tensor, completed: torch.Tensor,
 if triton is not None:
 
     @triton.jit
+    def _admitted_item(w, n, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr, layer, C, H, P, S):
+        """Entry w (a scalar or a vector) of a layer's transfer plan -> (host item, GPU slot,
+        ok); the addresses of a skipped entry (-1, or w >= n) are meaningless."""
+        blk = tl.load(blk_ptr + w, mask=w < n, other=-1).to(tl.int64)
+        ok = blk >= 0
+        slot = tl.load(slot_ptr + w, mask=ok, other=0)
+        r = w // C // H
+        h = (w // C % H).to(tl.int64)
+        page = tl.load(pages_ptr + r * P + S + slot, mask=ok, other=0).to(tl.int64)
+        start = tl.load(ext_start_ptr + r, mask=ok, other=0)
+        nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
+        return start + (layer * nblk + blk) * H + h, page * H + h, ok
+
+    @triton.jit
     def _fetch_kernel(host_ptr, kv_ptr, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
                       layer, n, C, H, P, S,
                       ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
         for i0 in range(tl.program_id(0) * ITEMS, n, tl.num_programs(0) * ITEMS):
             w = i0 + tl.arange(0, ITEMS)
-            blk = tl.load(blk_ptr + w, mask=w < n, other=-1).to(tl.int64)
-            ok = blk >= 0
-            slot = tl.load(slot_ptr + w, mask=ok, other=0)
-            r = w // C // H
-            h = (w // C % H).to(tl.int64)
-            page = tl.load(pages_ptr + r * P + S + slot, mask=ok, other=0).to(tl.int64)
-            start = tl.load(ext_start_ptr + r, mask=ok, other=0)
-            nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
-            _move(host_ptr, kv_ptr, start + (layer * nblk + blk) * H + h, page * H + h, ok, ITEM, ITEMP)
+            src, dst, ok = _admitted_item(w, n, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
+                                          layer, C, H, P, S)
+            _move(host_ptr, kv_ptr, src, dst, ok, ITEM, ITEMP)
 
     @triton.jit
     def _write_through_kernel(kv_ptr, host_ptr, done_ptr, wslot_ptr, ext_start_ptr, ext_blocks_ptr,
@@ -231,15 +239,9 @@ if triton is not None:
     def _fetch_tma_kernel(host_desc, kv_desc, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
                           layer, n, C, H, P, S, num_slots, ROWS: tl.constexpr, STAGES: tl.constexpr):
         for w in tl.range(tl.program_id(0), n, tl.num_programs(0), num_stages=STAGES):
-            blk = tl.load(blk_ptr + w).to(tl.int64)
-            ok = blk >= 0
-            slot = tl.load(slot_ptr + w, mask=ok, other=0)
-            r = w // C // H
-            h = (w // C % H).to(tl.int64)
-            page = tl.load(pages_ptr + r * P + S + slot, mask=ok, other=0).to(tl.int64)
-            start = tl.load(ext_start_ptr + r, mask=ok, other=0)
-            nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
-            src = tl.where(ok, start + (layer * nblk + blk) * H + h, 0)
-            dst = tl.where(ok, page * H + h, num_slots)  # past the end: the store is dropped
+            src, dst, ok = _admitted_item(w, n, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
+                                          layer, C, H, P, S)
+            src = tl.where(ok, src, 0)
+            dst = tl.where(ok, dst, num_slots)  # past the end: the store is dropped
             x = host_desc.load([(src * ROWS).to(tl.int32), 0])
             kv_desc.store([(dst * ROWS).to(tl.int32), 0], x)
