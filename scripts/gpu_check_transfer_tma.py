@@ -62,19 +62,24 @@ def main() -> int:
         out = torch.randn_like(kv)
         want = out.clone()
         want[dst.to(dev)] = pool.items[items].to(dev)
-        fetch_admitted(host, out, layer, blocks[layer], slots[layer], pages, start, nblocks, H, S, **kw)
-        torch.cuda.synchronize()
-        res[f"{name} exact"] = bool(torch.equal(out, want))
+        try:
+            fetch_admitted(host, out, layer, blocks[layer], slots[layer], pages, start, nblocks, H, S, **kw)
+            torch.cuda.synchronize()
+            res[f"{name} exact"] = bool(torch.equal(out, want))
+        except Exception as exc:  # noqa: BLE001 (e.g. a descriptor the driver refuses over host memory)
+            res[f"{name} exact"], res[f"{name} error"] = False, repr(exc)[:300]
     print(res, flush=True)
 
     # 2. alone: one step's 36 transfers in a graph
     moved = int((blocks >= 0).sum()) * pool.item_bytes
-    variants = [("loads", p, 0) for p in (4, 8)] + [("tma", p, st) for p in (1, 2, 4, 8) for st in (4, 6, 8)]
+    variants = [("loads", p, 0) for p in (4, 8)]
+    if res["tma exact"]:
+        variants += [("tma", p, st) for p in (1, 2, 4, 8) for st in (4, 6, 8)]
 
     def step_of(programs, stages):
         def step():
             for layer in range(L):
-                fetch_admitted(host, kv, layer % 2, blocks[layer], slots[layer], pages, start, nblocks, H, S,
+                fetch_admitted(host, kv, layer, blocks[layer], slots[layer], pages, start, nblocks, H, S,
                                num_programs=programs, tma_stages=stages)
         return step
 
