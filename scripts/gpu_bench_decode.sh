@@ -83,8 +83,8 @@ forks)  # where each layer's stages start (after attention / o_proj / mlp): engi
     --attention-splits "${SPLITS:-1,2}" --stage-forks attention,o_proj,mlp --output-json "$OUT/decode_b16_forks.json" \
     2>&1 | tee "$OUT/decode_b16_forks.log"
   ;;
-next)  # prepared, unmeasured (~8 min): the transfer through TMA (checks, alone and beside GEMMs, engine tokens, batch 16),
-       # then attention stages under the fork rule and more transfer programs at 16K
+next)  # prepared, unmeasured (~9 min): the transfer through TMA (checks, alone and beside GEMMs, engine tokens, batch 16),
+       # then attention stages under the fork rule, more transfer programs at 16K, bounds tilings at 32K
   python3 scripts/gpu_check_transfer_tma.py --json "$OUT/check_transfer_tma.json" > "$OUT/check_transfer_tma.log" 2>&1
   grep -q "tma exact: True" "$OUT/check_transfer_tma.log" && TMA=1 || TMA=0
   grep "exact\|alone GB/s\|slowdown\|error" "$OUT/check_transfer_tma.log"
@@ -100,6 +100,9 @@ next)  # prepared, unmeasured (~8 min): the transfer through TMA (checks, alone 
   bench --sweep --batch-sizes 16 --context-lens 16384 --steps 32 --summary-dtypes fp8 \
     --transfer-programs 8,12 --gemm-sm-carveouts 8,12 --output-json "$OUT/decode_b16_next_transfer.json" \
     2>&1 | tee "$OUT/decode_b16_next_transfer.log"
+  bench --sweep --batch-sizes 16 --context-lens 32768 --steps 32 --summary-dtypes fp8 \
+    --bounds-tiling auto,64:auto:2,32:auto:2,auto --output-json "$OUT/decode_b16_next_bounds.json" \
+    2>&1 | tee "$OUT/decode_b16_next_bounds.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
