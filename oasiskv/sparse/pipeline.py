@@ -6,9 +6,9 @@ sparse requests of a decode batch, and per layer three stages that run in the ba
     transfer  copy the admitted (layer, block, head) items host -> their GPU slots
 
 The layer's qkv epilogue folds its keys into the summaries and copies the draft queries out
-(`summary_fold`). After layer l's attention the foreground records an event and moves on to
-layer l+1; the predict stream waits on that event, the select stream on predict's, the
-transfer stream on select's. Every stage is GPU tensor work with fixed shapes (no host sync,
+(`summary_fold`). After layer l's attention (or its o_proj GEMM, for long requests:
+`stages_fork`) the foreground records an event and moves on; the predict stream waits on that
+event, the select stream on predict's, the transfer stream on select's. Every stage is GPU tensor work with fixed shapes (no host sync,
 no Python loop over blocks), so the whole step, foreground and pipeline, is captured in one
 CUDA graph; the streams join the foreground at the end of the step, and how long the
 foreground waits there is the pipeline stall. The last layers' transfers are left out of
