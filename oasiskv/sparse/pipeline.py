@@ -8,10 +8,10 @@ sparse requests of a decode batch, and per layer three stages that run in the ba
 The layer's qkv epilogue folds its keys into the summaries and copies the draft queries out
 (`summary_fold`). After layer l's attention (or its o_proj GEMM, for long requests:
 `stages_fork`) the foreground records an event and moves on; the predict stream waits on that
-event, the select stream on predict's, the transfer stream on select's. Every stage is GPU tensor work with fixed shapes (no host sync,
-no Python loop over blocks), so the whole step, foreground and pipeline, is captured in one
-CUDA graph; the streams join the foreground at the end of the step, and how long the
-foreground waits there is the pipeline stall. The last layers' transfers are left out of
+event, the select stream on predict's, the transfer stream on select's. Every stage is GPU
+tensor work with fixed shapes (no host sync, no Python loop over blocks), so the whole step,
+foreground and pipeline, is captured in one CUDA graph; the streams join the foreground at
+the end of the step, and how long the foreground waits there is the pipeline stall. The last layers' transfers are left out of
 that join: they open the next step, whose layer l waits on its own (`begin_step`); so does
 the step's write-through of the blocks it completed.
 
