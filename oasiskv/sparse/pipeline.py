@@ -11,9 +11,9 @@ The layer's qkv epilogue folds its keys into the summaries and copies the draft 
 event, the select stream on predict's, the transfer stream on select's. Every stage is GPU
 tensor work with fixed shapes (no host sync, no Python loop over blocks), so the whole step,
 foreground and pipeline, is captured in one CUDA graph; the streams join the foreground at
-the end of the step, and how long the foreground waits there is the pipeline stall. The last layers' transfers are left out of
-that join: they open the next step, whose layer l waits on its own (`begin_step`); so does
-the step's write-through of the blocks it completed.
+the end of the step, and how long the foreground waits there is the pipeline stall. The last
+layers' transfers are left out of that join: they open the next step, whose layer l waits on
+its own (`begin_step`); so does the step's write-through of the blocks it completed.
 
 State, for up to R requests ("rows"), all on the device:
     pages [R, P]            GPU pages of each row's working set; position i of head h is
