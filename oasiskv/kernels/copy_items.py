@@ -228,7 +228,7 @@ def _fetch_tma(host, kv_layer, layer, admit_blocks, admit_slots, pages, extent_s
     dst = TensorDescriptor(kv_layer.view(-1, cols), [num_slots * rows, cols], [cols, 1], [rows, cols])
     n = RH * C
     if n:
-        _fetch_tma_kernel[(max(1, min(num_programs, n)),)](
+        _fetch_tma_kernel[(min(num_programs, n),)](
             src, dst, admit_blocks, admit_slots, pages, extent_start, extent_blocks, layer, n, C, num_heads,
             pages.shape[1], num_sink, num_slots, ROWS=rows, STAGES=stages, num_warps=4)
 

@@ -78,6 +78,10 @@ DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `be
 # no gain (44.3 against 44.5 µs alone at two splits; in the 16K step 7.63 against 7.65 ms at
 # two splits; docs/benchmarks.md), so off.
 ATTENTION_FUSED_MERGE = False
+# The transfer kernel's loads: 0 = the SM's load units (`fetch_admitted`'s default kernel), N > 0
+# = TMA box loads, N deep (`copy_items._fetch_tma`). Prepared, not yet measured on the H200
+# (`scripts/gpu_check_transfer_tma.py`, `bash scripts/gpu_bench_decode.sh next`), so off.
+TRANSFER_TMA_STAGES = 0
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
 # the o_proj GEMM, or after the MLP. Forked at the attention, the bounds scan's programs and
@@ -88,10 +92,6 @@ ATTENTION_FUSED_MERGE = False
 # 8.16 / 8.15 / 8.08 -> 7.77 / 7.78 / 7.80 ms. At 16K the pairs went both ways (-0.03 to
 # +0.29 ms, +0.10 on average), so shorter requests keep the attention fork. After the MLP:
 # no gain at either. None: by the context (`stages_fork`); or one of STAGE_FORKS.
-# The transfer kernel's loads: 0 = the SM's load units (`fetch_admitted`'s default kernel), N > 0
-# = TMA box loads, N deep (`copy_items._fetch_tma`). Prepared, not yet measured on the H200
-# (`scripts/gpu_check_transfer_tma.py`, `bash scripts/gpu_bench_decode.sh next`), so off.
-TRANSFER_TMA_STAGES = 0
 STAGE_FORKS = ("attention", "o_proj", "mlp")
 STAGES_FORK = None
 
