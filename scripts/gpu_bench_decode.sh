@@ -83,7 +83,7 @@ forks)  # where each layer's stages start (after attention / o_proj / mlp): engi
     --attention-splits "${SPLITS:-1,2}" --stage-forks attention,o_proj,mlp --output-json "$OUT/decode_b16_forks.json" \
     2>&1 | tee "$OUT/decode_b16_forks.log"
   ;;
-next)  # prepared, unmeasured (~4 min): the transfer through TMA: checks, alone and beside GEMMs, engine tokens, batch 16
+next)  # measured 2026-12-01, sixth session, no gain (~4 min): the transfer through TMA: checks, alone and beside GEMMs, engine tokens, batch 16
   python3 scripts/gpu_check_transfer_tma.py --json "$OUT/check_transfer_tma.json" > "$OUT/check_transfer_tma.log" 2>&1
   grep -q "tma exact: True" "$OUT/check_transfer_tma.log" && TMA=1 || TMA=0
   grep "exact\|alone GB/s\|slowdown\|error" "$OUT/check_transfer_tma.log"
@@ -95,7 +95,7 @@ next)  # prepared, unmeasured (~4 min): the transfer through TMA: checks, alone 
       2>&1 | tee "$OUT/decode_b16_next_tma.log"
   fi
   ;;
-next2)  # prepared, unmeasured (~5 min): attention stages under the fork rule, more transfer programs at 16K, bounds tilings at 32K
+next2)  # measured 2026-12-01, sixth session, no gain (~5 min): attention stages under the fork rule, more transfer programs at 16K, bounds tilings at 32K
   bench --sweep --batch-sizes 16 --context-lens 32768,16384 --steps 32 --summary-dtypes fp8 \
     --attention-stages 3,5,3,5 --output-json "$OUT/decode_b16_next_stages.json" 2>&1 | tee "$OUT/decode_b16_next_stages.log"
   bench --sweep --batch-sizes 16 --context-lens 16384 --steps 32 --summary-dtypes fp8 \

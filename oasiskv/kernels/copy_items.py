@@ -218,7 +218,9 @@ def _fetch_tma(host, kv_layer, layer, admit_blocks, admit_slots, pages, extent_s
     keeps in flight, docs/benchmarks.md), so it needs 8 SMs beside the foreground. A TMA load
     is one instruction for 8 KiB, and the loop's software pipeline keeps `stages` - 1 of them in
     flight. A skipped entry (-1) gets a destination row past the pool's end: TMA drops stores
-    outside the tensor, so nothing is written."""
+    outside the tensor, so nothing is written. Measured on the H200: exact, and faster per
+    program (4 programs: 37.9 against 31.3 GB/s), but no faster than ~38 GB/s in all, where 8
+    load-unit programs reach 45.8, so the pipeline keeps the load units."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     RH, C = admit_blocks.shape

@@ -79,8 +79,10 @@ DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `be
 # two splits; docs/benchmarks.md), so off.
 ATTENTION_FUSED_MERGE = False
 # The transfer kernel's loads: 0 = the SM's load units (`fetch_admitted`'s default kernel), N > 0
-# = TMA box loads, N deep (`copy_items._fetch_tma`). Prepared, not yet measured on the H200
-# (`scripts/gpu_check_transfer_tma.py`, `bash scripts/gpu_bench_decode.sh next`), so off.
+# = TMA box loads, N deep (`copy_items._fetch_tma`). On the H200 TMA reads pinned host memory
+# exactly and is faster per program (4 programs: 37.9 against 31.3 GB/s), but stops at about
+# 38 GB/s, where 8 load-unit programs reach 45.8: the batch 16 step took 9.04 / 9.29 ms with 8
+# TMA programs against 7.75 / 7.69 (16K / 32K; docs/benchmarks.md, sixth session), so off.
 TRANSFER_TMA_STAGES = 0
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
