@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|next|next2|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|next|next2|next3|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -104,6 +104,17 @@ next2)  # measured 2026-12-01, sixth session, no gain (~5 min): attention stages
   bench --sweep --batch-sizes 16 --context-lens 32768 --steps 32 --summary-dtypes fp8 \
     --bounds-tiling auto,64:auto:2,32:auto:2,auto --output-json "$OUT/decode_b16_next_bounds.json" \
     2>&1 | tee "$OUT/decode_b16_next_bounds.log"
+  ;;
+next3)  # prepared, unmeasured (~4 min): is the 16K transfer a queue or keeping pace? Its idle time, 3 profiles
+  for run in "default" "splits2 --attention-splits 2" "programs12 --transfer-programs 12"; do
+    set -- $run
+    name=$1; shift
+    python3 scripts/gpu_profile_sparse.py --modes sparse --context 16384 --summary-dtype fp8 "$@" \
+      > "$OUT/profile_16k_$name.log" 2>&1
+    mv "$OUT/sparse_profile.json" "$OUT/sparse_profile_16k_$name.json"
+    rm -f "$OUT"/trace_*
+    echo "== $name"; grep "transfer busy\|foreground idle\|step_ms" "$OUT/profile_16k_$name.log"
+  done
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

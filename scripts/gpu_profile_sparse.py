@@ -1,8 +1,9 @@
 """Where a long-context decode step's GPU time goes, kernel by kernel: torch.profiler over the
 `bench decode` steps (CUDA-graph replays), for dense, the sparse foreground alone (pipeline
 stages off) and sparse with the pipeline. Per mode: the kernels by GPU time per step, the
-foreground's idle time per step named by the kernels around each gap (`bench.trace_gaps`), and
-the chrome trace of a few steps (to see what overlaps what).
+foreground's idle time per step named by the kernels around each gap (`bench.trace_gaps`), the
+transfer stream's busy and idle time (`kernel_idle`), and the chrome trace of a few steps (to see
+what overlaps what).
 
 PYTHONPATH=. python3 scripts/gpu_profile_sparse.py [--context 32768] [--batch 16] [--modes dense,fg,sparse]
     [--attention-splits N] [--attention-stages N] [--attention-merges fused]   # the sparse runs' decode kernel
@@ -20,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from oasiskv.bench.decode import DecodeBench, add_decode_args  # noqa: E402
-from oasiskv.bench.trace_gaps import trace_gaps  # noqa: E402
+from oasiskv.bench.trace_gaps import trace_gaps, trace_transfer_idle  # noqa: E402
 from oasiskv.entrypoints.args import add_engine_args  # noqa: E402
 
 
@@ -34,6 +35,7 @@ class ProfiledBench(DecodeBench):
     label = ""
     tables: dict = {}
     gaps: dict = {}
+    transfer_idle: dict = {}
 
     def _time(self, step, counters=None):
         for _ in range(self.args.warmup):
@@ -54,6 +56,12 @@ class ProfiledBench(DecodeBench):
             for g in gaps[:12]:
                 print(f"{g['us_per_step']:9.1f} us {g['per_step']:6.0f}x {g['us_each']:7.1f} us each  "
                       f"{g['before']} -> {g['after']}")
+            t = self.transfer_idle[self.label] = trace_transfer_idle(trace, n)
+            if t["calls"]:
+                print(f"--- {self.label}: transfer busy {t['busy_us'] / 1e3:.2f} ms per step in {t['calls']:.0f} "
+                      f"launches; idle before a launch: queued {t['idle_queued_us']:.0f} us "
+                      f"({t['queued_per_step']:.0f}x), waited for its plan {t['idle_waited_us']:.0f} us "
+                      f"({t['waited_per_step']:.0f}x), other {t['idle_other_us']:.0f} us ({t['other_per_step']:.0f}x)")
         rows = []
         for e in prof.key_averages():
             self_t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -100,7 +108,8 @@ def main():
                                                  "stall_fraction", "foreground_ms")}), flush=True)
     out = os.environ.get("OUT", "out")
     with open(os.path.join(out, "sparse_profile.json"), "w") as f:
-        json.dump({"results": results, "kernels": bench.tables, "foreground_gaps": bench.gaps}, f, indent=2)
+        json.dump({"results": results, "kernels": bench.tables, "foreground_gaps": bench.gaps,
+                   "transfer_idle": bench.transfer_idle}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from oasiskv.bench.trace_gaps import foreground_gaps, short_name, trace_gaps
+from oasiskv.bench.trace_gaps import foreground_gaps, kernel_idle, short_name, trace_gaps, trace_transfer_idle
 
 
 def kernel(name, ts, dur, stream):
@@ -41,3 +41,19 @@ def test_short_names_and_trace_files(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": two_steps()}))
     assert trace_gaps(str(path), steps=2) == foreground_gaps(two_steps(), steps=2)
+    assert trace_transfer_idle(str(path), steps=2)["calls"] == 0  # no transfer in these steps
+
+
+def test_transfer_idle_tells_a_queue_from_a_stream_that_waits_for_its_plan():
+    fetch, evict = "_fetch_kernel", "_capped_eviction_kernel"
+    events = [kernel(evict, 0, 5, 3), kernel(fetch, 5, 20, 4),  # starts as its plan lands
+              kernel(evict, 10, 5, 3), kernel(fetch, 25.5, 20, 4),  # queued behind the first
+              kernel(evict, 70, 5, 3), kernel(fetch, 76, 20, 4),  # waited 30 µs, for its plan
+              kernel(fetch, 200, 20, 4)]  # waited 104 µs, for something else (a step's start)
+    idle = kernel_idle(events, steps=2, kernel=fetch, waits_on=evict)
+    assert idle["calls"] == 2 and idle["busy_us"] == pytest.approx(40.0)
+    assert (idle["queued_per_step"], idle["waited_per_step"], idle["other_per_step"]) == (0.5, 0.5, 0.5)
+    assert idle["idle_queued_us"] == pytest.approx(0.25)
+    assert idle["idle_waited_us"] == pytest.approx(15.25)
+    assert idle["idle_other_us"] == pytest.approx(52.0)
+    assert kernel_idle(events, 1, "_nothing")["calls"] == 0

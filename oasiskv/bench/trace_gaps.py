@@ -6,6 +6,9 @@ another stream's blocks, an event, or the host. Each gap is named by the pair of
 it (the GEMM after the attention is o_proj, the one after the norm that follows it is gate_up),
 so a table of gaps per step says which launch waits, and for how long, beside the pipeline
 against alone.
+
+The transfer stream's own idle time (`kernel_idle`) says the other half: whether the transfer
+is the queue the step waits on, or keeps pace and waits for each layer's plan.
 """
 from __future__ import annotations
 
@@ -44,7 +47,45 @@ def foreground_gaps(events: list[dict], steps: int, marker: str = ATTENTION) -> 
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def kernel_idle(events: list[dict], steps: int, kernel: str, waits_on: str | None = None,
+                back_to_back_us: float = 2.0) -> dict:
+    """How busy the stream of one kernel kind is (the transfer's `_fetch_kernel`, say) and why it
+    idles: per step, its busy µs and the idle µs between consecutive launches, split into
+    launches that started right after the one before (a queue: the stream was the bottleneck),
+    right after a `waits_on` kernel ended (the launch waited for its input: the stream kept
+    pace), and the rest. A gap is "right after" within `back_to_back_us`."""
+    def named(prefix):
+        return sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"
+                       and e["name"].startswith(prefix)), key=lambda e: e["ts"])
+    runs = named(kernel)
+    inputs = [e["ts"] + e["dur"] for e in named(waits_on)] if waits_on else []
+    out = {"calls": len(runs) / steps, "busy_us": sum(e["dur"] for e in runs) / steps}
+    queued = waited = other = 0
+    idle = {"queued": 0.0, "waited": 0.0, "other": 0.0}
+    for before, after in zip(runs, runs[1:]):
+        gap = max(0.0, after["ts"] - (before["ts"] + before["dur"]))
+        if gap <= back_to_back_us:
+            queued += 1
+            idle["queued"] += gap
+        elif any(0 <= after["ts"] - end <= back_to_back_us for end in inputs):
+            waited += 1
+            idle["waited"] += gap
+        else:
+            other += 1
+            idle["other"] += gap
+    out |= {"queued_per_step": queued / steps, "waited_per_step": waited / steps, "other_per_step": other / steps}
+    out |= {f"idle_{k}_us": v / steps for k, v in idle.items()}
+    return out
+
+
 def trace_gaps(path: str, steps: int) -> list[dict]:
     """`foreground_gaps` of a chrome trace file (`prof.export_chrome_trace`)."""
     with open(path) as f:
         return foreground_gaps(json.load(f)["traceEvents"], steps)
+
+
+def trace_transfer_idle(path: str, steps: int) -> dict:
+    """`kernel_idle` of the transfer stream in a chrome trace file: the fetch kernels, each
+    waiting on its layer's plan (the capped-eviction kernel)."""
+    with open(path) as f:
+        return kernel_idle(json.load(f)["traceEvents"], steps, "_fetch_kernel", "_capped_eviction_kernel")
