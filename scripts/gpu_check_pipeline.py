@@ -186,6 +186,15 @@ def check_graph_step(results: dict) -> None:
     results["graph step admitted"] = int(e[2][:, 2].sum())
 
 
+def report(results: dict, json_path: str | None) -> None:
+    """Every result, one a line, then all of them to `json_path` (when given)."""
+    for k, v in results.items():
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -198,11 +207,7 @@ def main() -> int:
             import traceback
             traceback.print_exc()
             results[check.__name__ + " error"] = repr(exc)
-    for k, v in results.items():
-        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    report(results, args.json)
     return 0
 
 

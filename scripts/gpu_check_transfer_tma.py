@@ -17,11 +17,10 @@ load-unit programs; docs/results/check_transfer_tma_h200.json). Three questions,
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from gpu_check_pipeline import time_eager  # scripts/ is on the path when run as a script
+from gpu_check_pipeline import report, time_eager  # scripts/ is on the path when run as a script
 from oasiskv.kernels.copy_items import device_view, fetch_admitted
 from oasiskv.sparse.host_pool import HostKVPool
 
@@ -116,11 +115,7 @@ def main() -> int:
         res[f"{key[0]} P={key[1]} stages={key[2]} + GEMMs ms"] = ms
         res[f"{key[0]} P={key[1]} stages={key[2]} GEMM slowdown"] = ms / alone
         print(key, f"{ms:.2f} ms against {alone:.2f} alone", flush=True)
-    for k, v in res.items():
-        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    report(res, args.json)
     return 0
 
 

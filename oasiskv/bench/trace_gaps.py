@@ -60,20 +60,19 @@ def kernel_idle(events: list[dict], steps: int, kernel: str, waits_on: str | Non
     runs = named(kernel)
     inputs = [e["ts"] + e["dur"] for e in named(waits_on)] if waits_on else []
     out = {"calls": len(runs) / steps, "busy_us": sum(e["dur"] for e in runs) / steps}
-    queued = waited = other = 0
-    idle = {"queued": 0.0, "waited": 0.0, "other": 0.0}
+    count = dict.fromkeys(("queued", "waited", "other"), 0)
+    idle = dict.fromkeys(count, 0.0)
     for before, after in zip(runs, runs[1:]):
         gap = max(0.0, after["ts"] - (before["ts"] + before["dur"]))
         if gap <= back_to_back_us:
-            queued += 1
-            idle["queued"] += gap
+            kind = "queued"
         elif any(0 <= after["ts"] - end <= back_to_back_us for end in inputs):
-            waited += 1
-            idle["waited"] += gap
+            kind = "waited"
         else:
-            other += 1
-            idle["other"] += gap
-    out |= {"queued_per_step": queued / steps, "waited_per_step": waited / steps, "other_per_step": other / steps}
+            kind = "other"
+        count[kind] += 1
+        idle[kind] += gap
+    out |= {f"{k}_per_step": v / steps for k, v in count.items()}
     out |= {f"idle_{k}_us": v / steps for k, v in idle.items()}
     return out
 
