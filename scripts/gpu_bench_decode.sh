@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|next|next2|next3|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -83,7 +83,7 @@ forks)  # where each layer's stages start (after attention / o_proj / mlp): engi
     --attention-splits "${SPLITS:-1,2}" --stage-forks attention,o_proj,mlp --output-json "$OUT/decode_b16_forks.json" \
     2>&1 | tee "$OUT/decode_b16_forks.log"
   ;;
-next)  # measured 2026-12-01, sixth session, no gain (~4 min): the transfer through TMA: checks, alone and beside GEMMs, engine tokens, batch 16
+tma)  # measured 2026-12-01, sixth session, no gain (~4 min): the transfer through TMA: checks, alone and beside GEMMs, engine tokens, batch 16
   python3 scripts/gpu_check_transfer_tma.py --json "$OUT/check_transfer_tma.json" > "$OUT/check_transfer_tma.log" 2>&1
   grep -q "tma exact: True" "$OUT/check_transfer_tma.log" && TMA=1 || TMA=0
   grep "exact\|alone GB/s\|slowdown\|error" "$OUT/check_transfer_tma.log"
@@ -91,21 +91,21 @@ next)  # measured 2026-12-01, sixth session, no gain (~4 min): the transfer thro
     python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --transfer-tma-stages 6 2>&1 | tail -3 \
       | tee "$OUT/check_sparse_engine_tma.log"
     bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
-      --transfer-programs 4,8 --transfer-tma-stages 0,6 --output-json "$OUT/decode_b16_next_tma.json" \
-      2>&1 | tee "$OUT/decode_b16_next_tma.log"
+      --transfer-programs 4,8 --transfer-tma-stages 0,6 --output-json "$OUT/decode_b16_tma.json" \
+      2>&1 | tee "$OUT/decode_b16_tma.log"
   fi
   ;;
-next2)  # measured 2026-12-01, sixth session, no gain (~5 min): attention stages under the fork rule, more transfer programs at 16K, bounds tilings at 32K
+sweeps)  # measured 2026-12-01, sixth session, no gain (~5 min): attention stages under the fork rule, more transfer programs at 16K, bounds tilings at 32K
   bench --sweep --batch-sizes 16 --context-lens 32768,16384 --steps 32 --summary-dtypes fp8 \
-    --attention-stages 3,5,3,5 --output-json "$OUT/decode_b16_next_stages.json" 2>&1 | tee "$OUT/decode_b16_next_stages.log"
+    --attention-stages 3,5,3,5 --output-json "$OUT/decode_b16_stages_fork_rule.json" 2>&1 | tee "$OUT/decode_b16_stages_fork_rule.log"
   bench --sweep --batch-sizes 16 --context-lens 16384 --steps 32 --summary-dtypes fp8 \
-    --transfer-programs 8,12 --gemm-sm-carveouts 8,12 --output-json "$OUT/decode_b16_next_transfer.json" \
-    2>&1 | tee "$OUT/decode_b16_next_transfer.log"
+    --transfer-programs 8,12 --gemm-sm-carveouts 8,12 --output-json "$OUT/decode_b16_transfer_carveout.json" \
+    2>&1 | tee "$OUT/decode_b16_transfer_carveout.log"
   bench --sweep --batch-sizes 16 --context-lens 32768 --steps 32 --summary-dtypes fp8 \
-    --bounds-tiling auto,64:auto:2,32:auto:2,auto --output-json "$OUT/decode_b16_next_bounds.json" \
-    2>&1 | tee "$OUT/decode_b16_next_bounds.log"
+    --bounds-tiling auto,64:auto:2,32:auto:2,auto --output-json "$OUT/decode_b16_bounds_o_proj.json" \
+    2>&1 | tee "$OUT/decode_b16_bounds_o_proj.log"
   ;;
-next3)  # prepared, unmeasured (~4 min): is the 16K transfer a queue or keeping pace? Its idle time, 3 profiles
+transfer-idle)  # prepared, unmeasured (~4 min): is the 16K transfer a queue or keeping pace? Its idle time, 3 profiles
   for run in "default" "splits2 --attention-splits 2" "programs12 --transfer-programs 12"; do
     set -- $run
     name=$1; shift
