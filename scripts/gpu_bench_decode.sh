@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|scan|scan-pairs|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -115,19 +115,6 @@ transfer-idle)  # prepared, unmeasured (~4 min): is the 16K transfer a queue or 
     rm -f "$OUT"/trace_*
     echo "== $name"; grep "transfer busy\|foreground idle\|step_ms" "$OUT/profile_16k_$name.log"
   done
-  ;;
-scan)  # the prediction's scan in the attention's launch: kernel checks and timings, engine tokens, batch 16 at 16K (~6 min)
-  python3 scripts/gpu_check_attend_scan.py --json "$OUT/check_attend_scan.json" 2>&1 | tee "$OUT/check_attend_scan.log"
-  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --scan-in-attention 2>&1 | tail -3 \
-    | tee "$OUT/check_sparse_engine_scan.log"
-  bench --sweep --batch-sizes 16 --context-lens "${CONTEXTS:-16384}" --steps 32 --summary-dtypes fp8 \
-    --stage-forks "${FORKS:-attention,o_proj}" --scans-in-attention off,on,off,on --bounds-tiling "${TILINGS:-auto}" \
-    --output-json "$OUT/decode_b16_scan.json" 2>&1 | tee "$OUT/decode_b16_scan.log"
-  ;;
-scan-pairs)  # the scan in the attention's launch against the defaults, at 32K (or $CONTEXTS), with scan tilings $TILINGS
-  bench --sweep --batch-sizes 16 --context-lens "${CONTEXTS:-32768}" --steps 32 --summary-dtypes fp8 \
-    --stage-forks "${FORKS:-attention,o_proj}" --scans-in-attention off,on,off,on --bounds-tiling "${TILINGS:-auto}" \
-    --output-json "$OUT/decode_b16_scan_pairs.json" 2>&1 | tee "$OUT/decode_b16_scan_pairs.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

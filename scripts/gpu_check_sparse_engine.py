@@ -49,10 +49,7 @@ def main():
                          "(default: the pipeline's, from the context)")
     ap.add_argument("--transfer-tma-stages", type=int, default=0,
                     help="> 0: the pipelined step's transfer loads through TMA, this many deep")
-    ap.add_argument("--scan-in-attention", action="store_true",
-                    help="the pipelined step launches each layer's prediction scan with its attention")
     a = ap.parse_args()
-    pipeline.SCAN_IN_ATTENTION = a.scan_in_attention
     pipeline.STAGES_FORK = a.stages_fork
     pipeline.TRANSFER_TMA_STAGES = a.transfer_tma_stages
     pipeline.ATTENTION_FUSED_MERGE = a.fused_merge  # read by every pipeline the engines below build
@@ -103,7 +100,7 @@ def main():
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
            "summary_dtype": a.summary_dtype, "fused_merge": a.fused_merge,
            "attention_splits": a.attention_splits, "stages_fork": a.stages_fork,
-           "transfer_tma_stages": a.transfer_tma_stages, "scan_in_attention": a.scan_in_attention,
+           "transfer_tma_stages": a.transfer_tma_stages,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,
@@ -120,8 +117,7 @@ def main():
           f"without: tokens and draft acceptance equal {async_same}, {overlapped} overlapped steps")
     if os.environ.get("OUT"):
         fp8 = "_fp8_summaries" if a.summary_dtype == "fp8" else ""
-        scan = "_scan_in_attention" if a.scan_in_attention else ""
-        name = f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}_{a.prompt_len}{fp8}{scan}.json"
+        name = f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}_{a.prompt_len}{fp8}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(res, f, indent=2)
 

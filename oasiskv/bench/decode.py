@@ -61,10 +61,6 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-forks", default=None,
                    help="comma list of attention / o_proj / mlp: the part of each layer after which the "
                         "pipeline's stages start on their streams (default: the pipeline's, from the context)")
-    p.add_argument("--scans-in-attention", default=None,
-                   help="comma list of off / on: the prediction's scan of the summaries in its own kernel on the "
-                        "predict stream, or in the layer's attention launch (default: the pipeline's "
-                        "SCAN_IN_ATTENTION)")
     p.add_argument("--transfer-tma-stages", default=None,
                    help="comma list: 0 = the transfer kernel loads through the SMs' load units, N > 0 = "
                         "through TMA, N deep (default: the pipeline's TRANSFER_TMA_STAGES)")
@@ -190,8 +186,7 @@ class DecodeBench:
                    summary_dtype: str | None = None, deferred_layers: int | None = None,
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
                    attention_stages: int | None = None, fused_merge: bool = False,
-                   stages_fork: str | None = None, tma_stages: int | None = None,
-                   scan_in_attention: bool | None = None) -> dict:
+                   stages_fork: str | None = None, tma_stages: int | None = None) -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -248,8 +243,6 @@ class DecodeBench:
             p.stages_fork = stages_fork or p.stages_fork
             if tma_stages is not None:
                 p.transfer_tma_stages = tma_stages
-            if scan_in_attention is not None:
-                p.scan_in_attention = scan_in_attention
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
@@ -289,7 +282,6 @@ class DecodeBench:
                        gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
                        attention_merge="fused" if p.attention_fused_merge else "launch",
                        stages_fork=p.stages_fork, transfer_tma_stages=p.transfer_tma_stages,
-                       scan_in_attention=p.scans_with_attention,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -430,8 +422,6 @@ def run_decode_bench(args) -> int:
     from oasiskv.sparse.pipeline import STAGE_FORKS
     if args.stage_forks and set(args.stage_forks.split(",")) - set(STAGE_FORKS):
         raise ValueError(f"--stage-forks takes {' / '.join(STAGE_FORKS)}, not {args.stage_forks!r}")
-    if args.scans_in_attention and set(args.scans_in_attention.split(",")) - {"off", "on"}:
-        raise ValueError(f"--scans-in-attention takes off / on, not {args.scans_in_attention!r}")
     if args.transfer_tma_stages and any(n < 0 for n in _ints(args.transfer_tma_stages)):
         raise ValueError(f"--transfer-tma-stages takes counts >= 0, not {args.transfer_tma_stages!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
@@ -471,7 +461,7 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, carveout, stages, merge, fork, tma, scan in itertools.product(
+                                for tiling, summary, deferred, splits, carveout, stages, merge, fork, tma in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
                                         _ints(args.deferred_layers) if args.deferred_layers else [None],
                                         _ints(args.attention_splits) if args.attention_splits else [None],
@@ -479,15 +469,13 @@ def run_decode_bench(args) -> int:
                                         _ints(args.attention_stages) if args.attention_stages else [None],
                                         args.attention_merges.split(","),
                                         args.stage_forks.split(",") if args.stage_forks else [None],
-                                        _ints(args.transfer_tma_stages) if args.transfer_tma_stages else [None],
-                                        args.scans_in_attention.split(",") if args.scans_in_attention else [None]):
+                                        _ints(args.transfer_tma_stages) if args.transfer_tma_stages else [None]):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
                                                             summary_dtype=summary, deferred_layers=deferred,
                                                             attention_splits=splits, gemm_sm_carveout=carveout,
                                                             attention_stages=stages, fused_merge=merge == "fused",
-                                                            stages_fork=fork, tma_stages=tma,
-                                                            scan_in_attention=None if scan is None else scan == "on"))
+                                                            stages_fork=fork, tma_stages=tma))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -559,8 +547,7 @@ def print_row(r: dict) -> None:
           f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}"
           f"{' fused-merge' if sp and r.get('attention_merge') == 'fused' else ''}"
           f"{' fork ' + r['stages_fork'] if sp and r.get('stages_fork', 'attention') != 'attention' else ''}"
-          f"{' tma ' + str(r['transfer_tma_stages']) if sp and r.get('transfer_tma_stages') else ''}"
-          f"{' scan-in-attention' if sp and r.get('scan_in_attention') else ''}",
+          f"{' tma ' + str(r['transfer_tma_stages']) if sp and r.get('transfer_tma_stages') else ''}",
           flush=True)
 
 

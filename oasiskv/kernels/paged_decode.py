@@ -121,35 +121,15 @@ if triton is not None:
             M: tl.constexpr, TILE_BLKS: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr,
             FUSED_MERGE: tl.constexpr, MS: tl.constexpr, SC: tl.constexpr):
-        """Grid (sequence, kv head, split): one `decode_split_program` each."""
-        decode_split_program(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1),
-            q_ptr, kv_ptr, slot_ptr, len_ptr, pm_ptr, pl_ptr, pacc_ptr, sq_b, sq_q, sq_h, skv_slot, skv_kv, skv_tok,
-            sst_b, sst_h, sl_b, sl_h, qk_scale, num_splits,
-            kn_ptr, vn_ptr, out_ptr, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h, count_ptr,
-            G, Q, D, BS, M, TILE_BLKS, UPCAST, PRECISION, SINGLE, FUSED_MERGE, MS, SC)
-
-    @triton.jit
-    def decode_split_program(
-            b, h, s, num_heads,
-            q_ptr, kv_ptr, slot_ptr, len_ptr, pm_ptr, pl_ptr, pacc_ptr,
-            sq_b, sq_q, sq_h,
-            skv_slot, skv_kv, skv_tok,
-            sst_b, sst_h, sl_b, sl_h,
-            qk_scale, num_splits,
-            kn_ptr, vn_ptr, out_ptr, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h, count_ptr,
-            G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-            M: tl.constexpr, TILE_BLKS: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr,
-            FUSED_MERGE: tl.constexpr, MS: tl.constexpr, SC: tl.constexpr):
-        """One program: (sequence b, kv head h of num_heads, split s) over a contiguous range of
-        its slots. Rows are the group's G query heads x Q tokens (row r = g * Q + i), padded to M.
+        """One program: (sequence b, kv head h, split s) over a contiguous range of its slots.
+        Rows are the group's G query heads x Q tokens (row r = g * Q + i), padded to M.
         SINGLE (one split): the program also attends the new tokens and writes the output, so
         no merge launch follows. FUSED_MERGE: the split programs of (b, h) count themselves in
         at count_ptr[b, h] once their partials are stored; the last to arrive merges them (as
-        `_decode_merge_kernel` does) and sets the count back to 0, so no merge launch follows.
-        A function of its program's coordinates, so another kernel can run it for some of its
-        programs (`sparse.attend_scan`)."""
+        `_decode_merge_kernel` does) and sets the count back to 0, so no merge launch follows."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
         n = tl.load(len_ptr + b * sl_b + h * sl_h)
         nblk = tl.cdiv(n, BS)
         # Split range from the real length (on device, so graph replays adapt to it), rounded
@@ -205,14 +185,14 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
             # Partials of an empty split are never read: the merge stops at the last valid split.
-            part0 = (b * num_heads + h) * num_splits
+            part0 = (b * tl.num_programs(1) + h) * num_splits
             part = part0 + s
             tl.store(pm_ptr + part * M + rows, m_i, mask=row_ok)
             tl.store(pl_ptr + part * M + rows, l_i, mask=row_ok)
             tl.store(pacc_ptr + (part * M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
             if FUSED_MERGE:
                 tl.debug_barrier()  # every thread's partials are stored before the count (release)
-                count = count_ptr + b * num_heads + h
+                count = count_ptr + b * tl.num_programs(1) + h
                 if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
                     n_valid = tl.cdiv(nblk, tl.maximum(per_split, 1))
                     # Partials written by other SMs: read through L2 (".cg"), not this SM's L1.
@@ -355,46 +335,24 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     at B=16, 32K context on an H200: 511 us, 99% of the 4.25 TB/s copy rate on the KV bytes."""
     B, Q, Hq, D = q.shape
     Hkv = k_new.shape[2]
-    max_blocks = slot_tables.shape[2]
-    if num_splits is None:
-        sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
-        num_splits = choose_num_splits(B * Hkv, max_blocks, sms, tile_blocks)
-    if out is None:
-        out = torch.empty_like(q)
-    args, consts = split_launch(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale, num_splits, tile_blocks,
-                                out, fused_merge)
-    _decode_split_kernel[(B, Hkv, num_splits)](*args, **consts, num_warps=num_warps, num_stages=num_stages)
-    if consts["SINGLE"] or consts["FUSED_MERGE"]:
-        return out
-    pm, pl, pacc = args[4:7]  # the splits' partial (max, sum, accumulator)
-    G, M, MS, SC = consts["G"], consts["M"], consts["MS"], consts["SC"]
-    _decode_merge_kernel[(B, Hkv)](
-        q, k_new, v_new, cache_lens, pm, pl, pacc, out,
-        q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
-        v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        cache_lens.stride(0), cache_lens.stride(1), scale * LOG2E, num_splits,
-        G=G, Q=Q, D=D, BS=consts["BS"], M=M, MS=MS, SC=SC, TILE_BLKS=tile_blocks,
-        num_warps=8 if MS * D >= 2048 else 4)  # big row blocks spill registers at 4 warps
-    return out
-
-
-def split_launch(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale, num_splits, tile_blocks, out,
-                 fused_merge=False) -> tuple[tuple, dict]:
-    """`decode_split_program`'s arguments after its four coordinates, as (positional, constexpr by
-    name), with the split partials it needs, for `paged_decode_triton` and for kernels that run
-    it among other programs."""
-    B, Q, Hq, D = q.shape
-    Hkv = k_new.shape[2]
     G = Hq // Hkv
     bs = kv_cache.shape[2]
     assert Hq == G * Hkv and 1 <= Q <= 4 and D in (64, 128) and bs & (bs - 1) == 0
     assert kv_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_new.stride(-1) == 1 \
         and v_new.stride(-1) == 1
+    max_blocks = slot_tables.shape[2]
+    if num_splits is None:
+        sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+        num_splits = choose_num_splits(B * Hkv, max_blocks, sms, tile_blocks)
     MS = triton.next_power_of_2(G * Q)
     M = max(16, MS)  # tl.dot needs >= 16 rows
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     upcast = interpret and kv_cache.dtype == torch.bfloat16
     precision = "ieee" if (upcast or kv_cache.dtype == torch.float32) else "tf32"
+    qk_scale = scale * LOG2E
+
+    if out is None:
+        out = torch.empty_like(q)
     single = num_splits == 1
     parts = 0 if single else num_splits  # one split keeps no partials
     pm = torch.empty(B, Hkv, parts, M, device=q.device, dtype=torch.float32)
@@ -404,13 +362,23 @@ def split_launch(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale, num_
     merge_chunk = min(triton.next_power_of_2(num_splits), max(1, 4096 // (MS * D)))
     fused = fused_merge and not single
     counts = _arrival_counts(q.device, B * Hkv) if fused else cache_lens  # (not read unless fused)
-    args = (q, kv_cache, slot_tables, cache_lens, pm, pl, pacc,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            slot_tables.stride(0), slot_tables.stride(1), cache_lens.stride(0), cache_lens.stride(1),
-            scale * LOG2E, num_splits,
-            k_new, v_new, out, k_new.stride(0), k_new.stride(1), k_new.stride(2),
-            v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2), counts)
-    consts = dict(G=G, Q=Q, D=D, BS=bs, M=M, TILE_BLKS=tile_blocks, UPCAST=upcast, PRECISION=precision,
-                  SINGLE=single, FUSED_MERGE=fused, MS=MS, SC=merge_chunk)
-    return args, consts
+    _decode_split_kernel[(B, Hkv, num_splits)](
+        q, kv_cache, slot_tables, cache_lens, pm, pl, pacc,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        slot_tables.stride(0), slot_tables.stride(1), cache_lens.stride(0), cache_lens.stride(1),
+        qk_scale, num_splits,
+        k_new, v_new, out, k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2), counts,
+        G=G, Q=Q, D=D, BS=bs, M=M, TILE_BLKS=tile_blocks, UPCAST=upcast, PRECISION=precision, SINGLE=single,
+        FUSED_MERGE=fused, MS=MS, SC=merge_chunk, num_warps=num_warps, num_stages=num_stages)
+    if single or fused:
+        return out
+    _decode_merge_kernel[(B, Hkv)](
+        q, k_new, v_new, cache_lens, pm, pl, pacc, out,
+        q.stride(0), q.stride(1), q.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        cache_lens.stride(0), cache_lens.stride(1), qk_scale, num_splits,
+        G=G, Q=Q, D=D, BS=bs, M=M, MS=MS, SC=merge_chunk, TILE_BLKS=tile_blocks,
+        num_warps=8 if MS * D >= 2048 else 4)  # big row blocks spill registers at 4 warps
+    return out

@@ -36,7 +36,7 @@ class AttentionMetadata:
     num_splits: int | None = None  # the decode kernel's splits per (sequence, head); None: its choice
     num_stages: int | None = None  # the decode kernel's software-pipeline stages; None: its default
     fused_merge: bool = False  # the decode kernel's last split program merges (no merge launch)
-    hooks: object = None  # sparse step hooks: summary_fold, attention_scan, before_ / after_attention, fork_point
+    hooks: object = None  # sparse step hooks: summary_fold, before_ / after_attention, fork_point
 
     @property
     def is_prefill(self) -> bool:
@@ -57,15 +57,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         tables, lens = meta.slot_tables, meta.cache_lens
         if tables.dim() == 4:
             tables, lens = tables[layer], lens[layer]
-        q4, k4, v4 = q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D)
-        scan = meta.hooks.attention_scan(layer) if meta.hooks is not None else None
-        if scan is not None:  # the sparse pipeline's prediction scan rides in the attention's launch
-            from oasiskv.sparse.attend_scan import attend_and_scan
-            out = attend_and_scan(q4, k4, v4, kv_cache, tables, lens, scale, scan, meta.num_stages)
-        else:
-            out = paged_decode(q4, k4, v4, kv_cache, tables, lens, scale, meta.num_splits, meta.num_stages,
-                               meta.fused_merge)
-        out = out.reshape(T, Hq, D)
+        out = paged_decode(q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D),
+                           kv_cache, tables, lens, scale, meta.num_splits, meta.num_stages,
+                           meta.fused_merge).reshape(T, Hq, D)
     if meta.hooks is not None:
         meta.hooks.after_attention(layer, q, k, meta)
     return out

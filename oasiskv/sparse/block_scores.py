@@ -201,23 +201,7 @@ if triton is not None:
                        D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
                        STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
                        FP8: tl.constexpr, UPCAST: tl.constexpr):
-        """Grid (sequence, kv head, tile group): one `bounds_program` each."""
-        bounds_program(tl.program_id(0), tl.program_id(1), tl.program_id(2) * TILES,
-                       q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                       stride_qr, stride_qh, stride_kb, stride_kh, stride_or, stride_oh, stride_tr, stride_th,
-                       max_blocks, num_tiles, num_sink, wide, narrow,
-                       G, GP, NC, D, DP, BB, TILES, STAGES, HAS_WS, PRECISION, FP8, UPCAST)
-
-    @triton.jit
-    def bounds_program(r, h, first, q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
-                       stride_qr, stride_qh, stride_kb, stride_kh,
-                       stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
-                       wide, narrow, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
-                       D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
-                       STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
-                       FP8: tl.constexpr, UPCAST: tl.constexpr):
-        """One program: (sequence r, kv head h, TILES consecutive tiles of BB blocks from tile
-        `first`; a function of those, so another kernel can run it: `sparse.attend_scan`), each
+        """One program: (sequence r, kv head h, TILES consecutive tiles of BB blocks), each
         tile's summaries loaded once for all G query heads of the group, the next tiles' loads in
         flight while one is summed (STAGES-deep software pipelining). The sums over D run on the
         tensor cores in the summaries' own dtype. The box weights a = wide·q⁺ + narrow·q⁻ are not
@@ -233,6 +217,9 @@ if triton is not None:
         a bf16's precision; components clamped to ±448), columns [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂].
         Widening the summaries to float16 in registers instead took 35.6 against 25.8 µs on the
         H200 (docs/benchmarks.md)."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        first = tl.program_id(2) * TILES
         d = tl.arange(0, DP)
         c = tl.arange(0, NC)
         part = c // GP
@@ -329,43 +316,30 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
     loads are masked off). block_tile >= 16 (a tensor-core product's rows), `tiles_per_program`
     tiles per program, loads `stages` deep: the defaults were the fastest on the H200."""
-    R, Hq, _ = q.shape
-    tiles = triton.cdiv(max_blocks, block_tile)
-    if out is None:
-        out = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
-    if tile_max is None:
-        tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
-    if R and max_blocks:
-        args, consts = bounds_launch(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
-                                     window_start, block_tile, out, tile_max, range_weight, tiles_per_program,
-                                     stages)
-        _bounds_kernel[(R, kmin.shape[1], triton.cdiv(tiles, tiles_per_program))](*args, **consts,
-                                                                                  num_warps=num_warps)
-    return out
-
-
-def bounds_launch(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink, window_start,
-                  block_tile, out, tile_max, range_weight, tiles_per_program, stages) -> tuple[tuple, dict]:
-    """`bounds_program`'s arguments after its three coordinates, as (positional, constexpr by
-    name), for `head_bounds_triton` and for kernels that run it among other programs."""
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     G = group_size
     assert Hq == G * Hkv and q.stride(-1) == 1 and kmin.stride() == kmax.stride() \
         and kmin.stride(-1) == 1
-    assert out.shape == (R, Hq, max_blocks) and tile_max.shape == (R, Hq, triton.cdiv(max_blocks, block_tile))
+    tiles = triton.cdiv(max_blocks, block_tile)
+    if out is None:
+        out = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
+    if tile_max is None:
+        tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     ws = window_start if window_start is not None else num_blocks
     fp8 = kmin.dtype == torch.float8_e4m3fn
-    GP = triton.next_power_of_2(G)
-    args = (q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
+    if R and max_blocks:
+        GP = triton.next_power_of_2(G)
+        _bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
+            q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
-            max_blocks, tile_max.shape[-1], num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2)
-    consts = dict(G=G, GP=GP, NC=max(16, (4 if fp8 else 2) * GP), D=D, DP=max(32, triton.next_power_of_2(D)),
-                  BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
-                  PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", FP8=fp8,
-                  UPCAST=fp8 and os.environ.get("TRITON_INTERPRET", "0") == "1")
-    return args, consts
+            max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
+            G=G, GP=GP, NC=max(16, (4 if fp8 else 2) * GP), D=D, DP=max(32, triton.next_power_of_2(D)),
+            BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
+            PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", FP8=fp8,
+            UPCAST=fp8 and os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=num_warps)
+    return out
 
 
 def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
@@ -457,26 +431,16 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
                         range_weight=RANGE_WEIGHT, tiles_per_program=8, stages=3):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
+    Hkv = kmin.shape[1]
     tiles = triton.cdiv(max_blocks, block_tile)
     u = torch.empty(R, Hq, max_blocks, device=q.device, dtype=torch.float32)
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
                        window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight,
                        tiles_per_program=tiles_per_program, stages=stages)
-    return select_from_bounds(u, tile_max, group_size, k, out=out)
-
-
-def select_from_bounds(u: torch.Tensor, tile_max: torch.Tensor, group_size: int, k: int, *,
-                       out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The second half of `score_select_triton`: per-head bounds u [R, Hq, max_blocks] and their
-    per-tile maxima [R, Hq, tiles] (the bounds kernel's, or `attend_and_scan`'s) -> the top-K
-    set (ids, scores) [R, Hkv, k], one `_select_kernel` program per (sequence, kv head)."""
-    R, Hq, max_blocks = u.shape
-    Hkv, tiles = Hq // group_size, tile_max.shape[-1]
-    assert max_blocks <= SELECT_MAX_BLOCKS and u.stride(-1) == 1 and tile_max.stride(-1) == 1
     if out is None:
-        out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=u.device),
-               torch.empty(R * Hkv, k, dtype=torch.float32, device=u.device))
+        out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
+               torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))
     ids, vals = out
     assert ids.stride() == vals.stride() and ids.stride(-1) == 1
     MP = triton.next_power_of_2(max_blocks)

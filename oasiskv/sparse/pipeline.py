@@ -13,9 +13,7 @@ tensor work with fixed shapes (no host sync, no Python loop over blocks), so the
 foreground and pipeline, is captured in one CUDA graph; the streams join the foreground at
 the end of the step, and how long the foreground waits there is the pipeline stall. The last
 layers' transfers are left out of that join: they open the next step, whose layer l waits on
-its own (`begin_step`); so does the step's write-through of the blocks it completed. With
-`SCAN_IN_ATTENTION` the predict stage's scan of the summaries runs in the layer's attention
-launch instead (`attention_scan`, `sparse.attend_scan`), and the predict stream only selects.
+its own (`begin_step`); so does the step's write-through of the blocks it completed.
 
 State, for up to R requests ("rows"), all on the device:
     pages [R, P]            GPU pages of each row's working set; position i of head h is
@@ -41,8 +39,7 @@ from oasiskv.kernels.copy_items import (DEFAULT_PROGRAMS, ITEMS_PER_LOAD, NUM_WA
                                         fetch_admitted, write_through)
 from oasiskv.kernels.qkv_epilogue import SummaryFold
 from oasiskv.sparse import device_drafts
-from oasiskv.sparse.attend_scan import BoundsScan
-from oasiskv.sparse.block_scores import SELECT_MAX_BLOCKS, score_select, select_from_bounds
+from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import LOOKUP_WINDOW
@@ -99,10 +96,6 @@ TRANSFER_TMA_STAGES = 0
 # no gain at either. None: by the context (`stages_fork`); or one of STAGE_FORKS.
 STAGE_FORKS = ("attention", "o_proj", "mlp")
 STAGES_FORK = None
-# The predict stage's scan of the summaries launched with the layer's working-set attention, in
-# one grid (`sparse.attend_scan`); the predict stream then runs only the select (combine +
-# top-K). Needs one attention split and rows of at most SELECT_MAX_BLOCKS blocks.
-SCAN_IN_ATTENTION = False
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -151,8 +144,6 @@ class LookaheadPipeline:
         self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
         self.stages_fork = stages_fork(max_blocks)  # the part of a layer after which its stages start
-        self.scan_in_attention = SCAN_IN_ATTENTION  # the scan in the attention's launch (`attention_scan`)
-        self.scan_bounds = self.scan_tile_max = None  # its outputs, [L, R, Hq, ...]: made on first use
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
         L, R, H, K = self.L, self.R, self.H, self.K
@@ -353,26 +344,6 @@ class LookaheadPipeline:
             self.write_through()
             self.completes.fill_(False)
 
-    @property
-    def scans_with_attention(self) -> bool:
-        """Whether this step's layers launch their prediction's scan with the attention."""
-        return (self.scan_in_attention and self.background and self.prefetch and self.attention_splits == 1
-                and self.max_blocks <= SELECT_MAX_BLOCKS)
-
-    def attention_scan(self, layer: int) -> BoundsScan | None:
-        """For the layer's attention: the bounds scan to launch with it, or None. Its outputs are
-        per layer, so the select stage of layer l reads them while later layers' attention runs."""
-        if not self.scans_with_attention:
-            return None
-        B, tile, per_program, stages = self.B, *self.bounds_tiling
-        if self.scan_bounds is None:
-            hq, tiles = self.draft_q.shape[2], -(-self.max_blocks // tile)
-            self.scan_bounds = torch.empty(self.L, self.R, hq, self.max_blocks, device=self.device)
-            self.scan_tile_max = torch.empty(self.L, self.R, hq, tiles, device=self.device)
-        return BoundsScan(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
-                          self.next_blocks[:B], self.next_window[:B], self.S, self.scan_bounds[layer, :B],
-                          self.scan_tile_max[layer, :B], tile, per_program, stages)
-
     def before_attention(self, layer: int, q, k, meta) -> None:
         if self.background and layer in self.deferred_range():
             torch.cuda.current_stream(self.device).wait_event(self.deferred_done[layer])
@@ -436,10 +407,6 @@ class LookaheadPipeline:
     # ---- the stages ----------------------------------------------------------------
     def predict(self, layer: int) -> None:
         B, H = self.B, self.H
-        if self.scans_with_attention:  # the scan ran in the attention's launch: select only
-            select_from_bounds(self.scan_bounds[layer, :B], self.scan_tile_max[layer, :B], self.G, self.K,
-                               out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]))
-            return
         score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
                      self.next_blocks[:B], self.G, self.K, max_blocks=self.max_blocks, num_sink=self.S,
                      window_start=self.next_window[:B],

@@ -27,9 +27,6 @@ class SparseStepHooks:
     def summary_fold(self, layer: int) -> None:
         return None  # the in-line path folds per request, after attention
 
-    def attention_scan(self, layer: int) -> None:
-        return None  # the in-line path scores per request, after attention
-
     def before_attention(self, layer: int, q, k, meta) -> None:
         if self.drafter != "ondemand" or not self.prefetch:
             return
