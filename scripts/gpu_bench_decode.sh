@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -115,6 +115,9 @@ transfer-idle)  # prepared, unmeasured (~4 min): is the 16K transfer a queue or 
     rm -f "$OUT"/trace_*
     echo "== $name"; grep "transfer busy\|foreground idle\|step_ms" "$OUT/profile_16k_$name.log"
   done
+  ;;
+beside)  # prepared in the seventh session, unmeasured (~2 min): the working-set attention alone and beside five transfer variants
+  python3 scripts/gpu_probe_attention_beside.py --json "$OUT/probe_attention_beside.json" 2>&1 | tee "$OUT/probe_attention_beside.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

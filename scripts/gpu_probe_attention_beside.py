@@ -1,0 +1,137 @@
+"""What in the transfer slows the working-set attention? (prepared in the seventh session, for the
+next device call.) In the batch 16, 16K step the attention with 5 stages takes 39 µs a layer
+with the pipeline's stages off and 55 µs with them on; with 3 stages 48 and 51 µs. What runs
+beside it then is the transfer: 8 persistent fetch programs reading pinned host memory through
+UVA (docs/benchmarks.md, seventh session, item 3). Splitting the attention into more programs
+did not help, so the slowdown is not confined to the SMs that host a fetch program.
+
+Here the attention (batch 16, 1 + 128 + 4 blocks per request and kv head, one split; 36
+launches in a graph, as in a step) is timed alone and beside one step's transfers (36 fetch
+launches, 264 MB, replayed on a side stream for the whole timing window), five ways:
+
+    uva 8        the step's transfer: 8 load-unit programs reading host memory (the default)
+    uva 8 tma    8 programs through TMA (6 stages)
+    hbm 8        the same kernel and grid reading the same plan from a copy of the pool in HBM
+    uva 8 w4     8 programs of 4 warps instead of 8
+    uva 4        4 programs
+
+Prediction. If the host reads themselves interfere (PCIe requests held long in each SM's
+memory pipeline, or the host path shared by all SMs), "hbm 8" leaves the attention as fast as
+alone, and the UVA variants slow it, the 5-stage kernel most. If it is the 8 resident programs'
+issue pressure, "hbm 8" slows it as much, and "uva 8 w4" and "uva 4" less.
+
+    PYTHONPATH=. python3 scripts/gpu_probe_attention_beside.py [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from gpu_check_pipeline import report, time_eager  # scripts/ is on the path when run as a script
+from gpu_check_transfer_tma import C, H, L, NB, P, R, S, plan
+from oasiskv.kernels.copy_items import device_view, fetch_admitted
+from oasiskv.kernels.paged_decode import paged_decode_triton
+from oasiskv.sparse.host_pool import HostKVPool
+
+dev = torch.device("cuda")
+HQ, D, BS, WS_BLOCKS = 32, 128, 16, 1 + 128 + 4
+TRANSFERS = {  # name: (source, programs, warps, TMA stages)
+    "uva 8": ("uva", 8, 8, 0), "uva 8 tma": ("uva", 8, 8, 6), "hbm 8": ("hbm", 8, 8, 0),
+    "uva 8 w4": ("uva", 8, 4, 0), "uva 4": ("uva", 4, 8, 0),
+}
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def attention_graphs() -> dict:
+    """The working-set attention of one step (36 layers, 4 buffers cycled so the layers do not
+    hit L2), 3 and 5 stages."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    layers = []
+    for _ in range(4):
+        pool = torch.randn(R * H * WS_BLOCKS + 64, 2, BS, D, device=dev, generator=gen).to(torch.bfloat16)
+        slots = torch.randperm(pool.shape[0] - 64, device=dev, generator=gen)[:R * H * WS_BLOCKS]
+        q = torch.randn(R, 2, HQ, D, device=dev, generator=gen).to(torch.bfloat16)
+        kn = torch.randn(R, 2, H, D, device=dev, generator=gen).to(torch.bfloat16)
+        layers.append((q, kn, torch.randn_like(kn), pool, slots.view(R, H, WS_BLOCKS).int(),
+                       torch.full((R, H), WS_BLOCKS * BS - BS // 2, device=dev, dtype=torch.int32),
+                       torch.empty_like(q)))
+
+    def step(stages):
+        for i in range(L):
+            q, kn, vn, pool, slots, lens, out = layers[i % 4]
+            paged_decode_triton(q, kn, vn, pool, slots, lens, D ** -0.5, num_splits=1, num_stages=stages, out=out)
+    return {stages: capture(lambda: step(stages)) for stages in (3, 5)}
+
+
+def transfer_graphs(res: dict) -> dict:
+    """One step's 36 fetches per variant of TRANSFERS, each timed alone (GB/s)."""
+    gen = torch.Generator().manual_seed(0)
+    pool = HostKVPool(0, 16, 128, torch.bfloat16, pin=True, num_items=R * L * NB * H)  # 9 GiB
+    sources = {"uva": device_view(pool.items, dev),
+               "hbm": torch.empty(pool.items.shape, dtype=torch.bfloat16, device=dev)}
+    pages = torch.arange(R * P, dtype=torch.int32, device=dev).view(R, P)
+    start = torch.arange(R, device=dev) * (L * NB * H)
+    nblocks = torch.full((R,), NB, device=dev)
+    blocks, slots = plan(gen)
+    kv = torch.zeros(R * P * H, 2, 16, 128, dtype=torch.bfloat16, device=dev)
+    moved = int((blocks >= 0).sum()) * pool.item_bytes
+    graphs = {}
+    for name, (source, programs, warps, tma) in TRANSFERS.items():
+        def step():
+            for layer in range(L):
+                fetch_admitted(sources[source], kv, layer, blocks[layer], slots[layer], pages, start, nblocks, H, S,
+                               num_programs=programs, num_warps=warps, tma_stages=tma)
+        try:
+            graphs[name] = g = capture(step)
+            res[f"{name}: alone GB/s"] = moved / time_eager(g.replay) / 1e6
+        except Exception as exc:  # noqa: BLE001 (report and go on)
+            res[f"{name}: error"] = repr(exc)[:200]
+        print(list(res.items())[-1], flush=True)
+    graphs["_keep"] = (pool, sources, kv)  # the graphs' memory stays alive with them
+    return graphs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    res: dict = {}
+    attention = attention_graphs()
+    transfers = transfer_graphs(res)
+    side = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5  # attention steps timed; the transfer (~6 ms a step) is queued to outlast them
+    for stages, g in attention.items():
+        res[f"attention {stages} stages: alone us a layer"] = 1e3 * time_eager(g.replay) / L
+        for name in TRANSFERS:
+            if name not in transfers:
+                continue
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(4):
+                    transfers[name].replay()
+            start.record()
+            for _ in range(reps):
+                g.replay()
+            end.record()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            res[f"attention {stages} stages: beside {name} us a layer"] = 1e3 * start.elapsed_time(end) / reps / L
+            print(list(res.items())[-1], flush=True)
+    report(res, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
