@@ -105,7 +105,7 @@ sweeps)  # measured 2026-12-01, sixth session, no gain (~5 min): attention stage
     --bounds-tiling auto,64:auto:2,32:auto:2,auto --output-json "$OUT/decode_b16_bounds_o_proj.json" \
     2>&1 | tee "$OUT/decode_b16_bounds_o_proj.log"
   ;;
-transfer-idle)  # prepared, unmeasured (~4 min): is the 16K transfer a queue or keeping pace? Its idle time, 3 profiles
+transfer-idle)  # measured 2026-12-01, seventh session (~3 min): is the 16K transfer a queue or keeping pace? Its idle time, 3 profiles
   for run in "default" "splits2 --attention-splits 2" "programs12 --transfer-programs 12"; do
     set -- $run
     name=$1; shift
