@@ -58,7 +58,8 @@ def check_eviction(results: dict) -> None:
         results[f"eviction R={R} K={K} C={cap} us"] = 1e3 * time_graph(run)
 
 
-def time_graph(fn, iters: int = 50) -> float:
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn run once (compiles its kernels), then captured, replayed once and synced."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -66,6 +67,11 @@ def time_graph(fn, iters: int = 50) -> float:
         fn()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def time_graph(fn, iters: int = 50) -> float:
+    g = capture(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):

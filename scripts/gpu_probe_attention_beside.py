@@ -28,7 +28,7 @@ import argparse
 
 import torch
 
-from gpu_check_pipeline import report, time_eager  # scripts/ is on the path when run as a script
+from gpu_check_pipeline import capture, report, time_eager  # scripts/ is on the path when run as a script
 from gpu_check_transfer_tma import C, H, L, NB, P, R, S, plan
 from oasiskv.kernels.copy_items import device_view, fetch_admitted
 from oasiskv.kernels.paged_decode import paged_decode_triton
@@ -40,17 +40,6 @@ TRANSFERS = {  # name: (source, programs, warps, TMA stages)
     "uva 8": ("uva", 8, 8, 0), "uva 8 tma": ("uva", 8, 8, 6), "hbm 8": ("hbm", 8, 8, 0),
     "uva 8 w4": ("uva", 8, 4, 0), "uva 4": ("uva", 4, 8, 0),
 }
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
 
 
 def attention_graphs() -> dict:
