@@ -63,8 +63,9 @@ def attention_graphs() -> dict:
     return {stages: capture(lambda: step(stages)) for stages in (3, 5)}
 
 
-def transfer_graphs(res: dict) -> dict:
-    """One step's 36 fetches per variant of TRANSFERS, each timed alone (GB/s)."""
+def transfer_graphs(res: dict) -> tuple[dict, tuple]:
+    """One step's 36 fetches per variant of TRANSFERS, each timed alone (GB/s); and the buffers
+    the graphs read and write, which must outlive them."""
     gen = torch.Generator().manual_seed(0)
     pool = HostKVPool(0, 16, 128, torch.bfloat16, pin=True, num_items=R * L * NB * H)  # 9 GiB
     sources = {"uva": device_view(pool.items, dev),
@@ -87,8 +88,7 @@ def transfer_graphs(res: dict) -> dict:
         except Exception as exc:  # noqa: BLE001 (report and go on)
             res[f"{name}: error"] = repr(exc)[:200]
         print(list(res.items())[-1], flush=True)
-    graphs["_keep"] = (pool, sources, kv)  # the graphs' memory stays alive with them
-    return graphs
+    return graphs, (pool, sources, kv)
 
 
 def main() -> int:
@@ -97,7 +97,7 @@ def main() -> int:
     args = ap.parse_args()
     res: dict = {}
     attention = attention_graphs()
-    transfers = transfer_graphs(res)
+    transfers, _buffers = transfer_graphs(res)
     side = torch.cuda.Stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     reps = 5  # attention steps timed; the transfer (~6 ms a step) is queued to outlast them
