@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -116,8 +116,25 @@ transfer-idle)  # measured 2026-12-01, seventh session (~3 min): is the 16K tran
     echo "== $name"; grep "transfer busy\|foreground idle\|step_ms" "$OUT/profile_16k_$name.log"
   done
   ;;
-beside)  # prepared in the seventh session, unmeasured (~2 min): the working-set attention alone and beside five transfer variants
+beside)  # measured 2026-12-02, eighth session (~4 min): the working-set attention alone and beside five transfer variants, then at the step's footprints
   python3 scripts/gpu_probe_attention_beside.py --json "$OUT/probe_attention_beside.json" 2>&1 | tee "$OUT/probe_attention_beside.log"
+  for size in "36 256" "4 1024" "36 1024"; do  # the step's footprints: 36 working sets, 64 MB host extents
+    set -- $size
+    python3 scripts/gpu_probe_attention_beside.py --attention-buffers $1 --blocks $2 --transfers "uva 8,hbm 8" \
+      --json "$OUT/probe_attention_beside_$1_$2.json" 2>&1 | grep -v "^(" | tee "$OUT/probe_attention_beside_$1_$2.log"
+  done
+  [ "${STEP:-1}" = 1 ] && bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
+    --transfer-programs 4,8 --attention-stages 3,5 --output-json "$OUT/decode_b16_beside.json" 2>&1 | tee "$OUT/decode_b16_beside.log"
+  ;;
+company)  # what runs beside the attention in the 16K step, 5 stages then 3 (~3 min)
+  for run in "stages5 --modes fg,sparse --attention-stages 5" "stages3 --modes sparse"; do
+    set -- $run
+    name=$1; shift
+    python3 scripts/gpu_profile_sparse.py --context 16384 --summary-dtype fp8 "$@" > "$OUT/profile_16k_$name.log" 2>&1
+    mv "$OUT/sparse_profile.json" "$OUT/sparse_profile_16k_$name.json"
+    rm -f "$OUT"/trace_*
+    echo "== $name"; grep -A10 "beside them\|step_ms" "$OUT/profile_16k_$name.log"
+  done
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

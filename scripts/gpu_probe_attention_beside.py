@@ -20,7 +20,16 @@ memory pipeline, or the host path shared by all SMs), "hbm 8" leaves the attenti
 alone, and the UVA variants slow it, the 5-stage kernel most. If it is the 8 resident programs'
 issue pressure, "hbm 8" slows it as much, and "uva 8 w4" and "uva 4" less.
 
-    PYTHONPATH=. python3 scripts/gpu_probe_attention_beside.py [--json OUT]
+Measured 2026-12-02 (eighth session): beside every variant the attention slows by only ~5 µs
+(5 stages: 39.8 alone, 44.3 beside uva 8, 45.3 beside hbm 8), yet in the step, beside the fetch
+alone, it takes 57 µs. What the step has and this probe had not is size: the step's working
+set spans 36 layers (~5 GB of HBM) and its host extents 64 MB per request and layer (the probe:
+4 attention buffers, 16 MB extents). --attention-buffers 36 --blocks 1024 gives the probe the
+step's footprint: if the attention then slows to ~57 µs beside the fetch, address translation
+(TLB reach over the two footprints) is what the two share.
+
+    PYTHONPATH=. python3 scripts/gpu_probe_attention_beside.py [--attention-buffers N] [--blocks NB]
+        [--transfers "uva 8,hbm 8"] [--json OUT]
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ import argparse
 import torch
 
 from gpu_check_pipeline import capture, report, time_eager  # scripts/ is on the path when run as a script
-from gpu_check_transfer_tma import C, H, L, NB, P, R, S, plan
+from gpu_check_transfer_tma import C, H, L, P, R, S
 from oasiskv.kernels.copy_items import device_view, fetch_admitted
 from oasiskv.kernels.paged_decode import paged_decode_triton
 from oasiskv.sparse.host_pool import HostKVPool
@@ -42,12 +51,21 @@ TRANSFERS = {  # name: (source, programs, warps, TMA stages)
 }
 
 
-def attention_graphs() -> dict:
-    """The working-set attention of one step (36 layers, 4 buffers cycled so the layers do not
-    hit L2), 3 and 5 stages."""
+def plan(gen, blocks_per_request: int):
+    """A fetch plan per layer: block ids (some -1) and distinct working-set slots per row."""
+    blocks = torch.randint(0, blocks_per_request, (L, R * H, C), generator=gen, dtype=torch.int32)
+    blocks[:, ::5, -1] = -1
+    slots = torch.stack([torch.randperm(P - S - 4, generator=gen)[:C] for _ in range(L * R * H)])
+    return blocks.to(dev), slots.view(L, R * H, C).int().to(dev)
+
+
+def attention_graphs(buffers: int) -> tuple[dict, list]:
+    """The working-set attention of one step (36 layers cycling over `buffers` working sets; 4
+    already miss L2), 3 and 5 stages; and the buffers the graphs read and write, which must
+    outlive them."""
     gen = torch.Generator(device=dev).manual_seed(0)
     layers = []
-    for _ in range(4):
+    for _ in range(buffers):
         pool = torch.randn(R * H * WS_BLOCKS + 64, 2, BS, D, device=dev, generator=gen).to(torch.bfloat16)
         slots = torch.randperm(pool.shape[0] - 64, device=dev, generator=gen)[:R * H * WS_BLOCKS]
         q = torch.randn(R, 2, HQ, D, device=dev, generator=gen).to(torch.bfloat16)
@@ -58,26 +76,28 @@ def attention_graphs() -> dict:
 
     def step(stages):
         for i in range(L):
-            q, kn, vn, pool, slots, lens, out = layers[i % 4]
+            q, kn, vn, pool, slots, lens, out = layers[i % buffers]
             paged_decode_triton(q, kn, vn, pool, slots, lens, D ** -0.5, num_splits=1, num_stages=stages, out=out)
-    return {stages: capture(lambda: step(stages)) for stages in (3, 5)}
+    return {stages: capture(lambda: step(stages)) for stages in (3, 5)}, layers
 
 
-def transfer_graphs(res: dict) -> tuple[dict, tuple]:
-    """One step's 36 fetches per variant of TRANSFERS, each timed alone (GB/s); and the buffers
-    the graphs read and write, which must outlive them."""
+def transfer_graphs(res: dict, names: list[str], blocks_per_request: int) -> tuple[dict, tuple]:
+    """One step's 36 fetches per variant named (of TRANSFERS), each timed alone (GB/s); and the
+    buffers the graphs read and write, which must outlive them."""
     gen = torch.Generator().manual_seed(0)
-    pool = HostKVPool(0, 16, 128, torch.bfloat16, pin=True, num_items=R * L * NB * H)  # 9 GiB
+    NB = blocks_per_request
+    pool = HostKVPool(0, 16, 128, torch.bfloat16, pin=True, num_items=R * L * NB * H)  # 9 GiB at 256 blocks
     sources = {"uva": device_view(pool.items, dev),
                "hbm": torch.empty(pool.items.shape, dtype=torch.bfloat16, device=dev)}
     pages = torch.arange(R * P, dtype=torch.int32, device=dev).view(R, P)
     start = torch.arange(R, device=dev) * (L * NB * H)
     nblocks = torch.full((R,), NB, device=dev)
-    blocks, slots = plan(gen)
+    blocks, slots = plan(gen, NB)
     kv = torch.zeros(R * P * H, 2, 16, 128, dtype=torch.bfloat16, device=dev)
     moved = int((blocks >= 0).sum()) * pool.item_bytes
     graphs = {}
-    for name, (source, programs, warps, tma) in TRANSFERS.items():
+    for name in names:
+        source, programs, warps, tma = TRANSFERS[name]
         def step():
             for layer in range(L):
                 fetch_admitted(sources[source], kv, layer, blocks[layer], slots[layer], pages, start, nblocks, H, S,
@@ -93,17 +113,20 @@ def transfer_graphs(res: dict) -> tuple[dict, tuple]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--attention-buffers", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=256, help="context blocks per request (host extent size)")
+    ap.add_argument("--transfers", default=",".join(TRANSFERS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    res: dict = {}
-    attention = attention_graphs()
-    transfers, _buffers = transfer_graphs(res)
+    res: dict = {"attention buffers": args.attention_buffers, "blocks": args.blocks}
+    attention, _layers = attention_graphs(args.attention_buffers)
+    transfers, _buffers = transfer_graphs(res, args.transfers.split(","), args.blocks)
     side = torch.cuda.Stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     reps = 5  # attention steps timed; the transfer (~6 ms a step) is queued to outlast them
     for stages, g in attention.items():
         res[f"attention {stages} stages: alone us a layer"] = 1e3 * time_eager(g.replay) / L
-        for name in TRANSFERS:
+        for name in args.transfers.split(","):
             if name not in transfers:
                 continue
             side.wait_stream(torch.cuda.current_stream())

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from oasiskv.bench.decode import DecodeBench, add_decode_args  # noqa: E402
-from oasiskv.bench.trace_gaps import trace_gaps, trace_transfer_idle  # noqa: E402
+from oasiskv.bench.trace_gaps import trace_company, trace_gaps, trace_transfer_idle  # noqa: E402
 from oasiskv.entrypoints.args import add_engine_args  # noqa: E402
 
 
@@ -36,6 +36,7 @@ class ProfiledBench(DecodeBench):
     tables: dict = {}
     gaps: dict = {}
     transfer_idle: dict = {}
+    company: dict = {}
 
     def _time(self, step, counters=None):
         for _ in range(self.args.warmup):
@@ -62,6 +63,11 @@ class ProfiledBench(DecodeBench):
                       f"launches; idle before a launch: queued {t['idle_queued_us']:.0f} us "
                       f"({t['queued_per_step']:.0f}x), waited for its plan {t['idle_waited_us']:.0f} us "
                       f"({t['waited_per_step']:.0f}x), other {t['idle_other_us']:.0f} us ({t['other_per_step']:.0f}x)")
+            company = self.company[self.label] = trace_company(trace, n)
+            print(f"--- {self.label}: the attention's launches by what runs beside them (other streams):")
+            for c in company[:10]:
+                beside = ", ".join(f"{k} {v:.1f}" for k, v in sorted(c["overlap_us_each"].items(), key=lambda kv: -kv[1]))
+                print(f"{c['per_step']:6.1f}x a step {c['us_each']:7.1f} us each  beside: {beside or 'nothing'}")
         rows = []
         for e in prof.key_averages():
             self_t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -109,7 +115,8 @@ def main():
     out = os.environ.get("OUT", "out")
     with open(os.path.join(out, "sparse_profile.json"), "w") as f:
         json.dump({"results": results, "kernels": bench.tables, "foreground_gaps": bench.gaps,
-                   "transfer_idle": bench.transfer_idle}, f, indent=2)
+                   "transfer_idle": bench.transfer_idle,
+                   "attention_company": bench.company}, f, indent=2)
 
 
 if __name__ == "__main__":

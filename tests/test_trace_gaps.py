@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from oasiskv.bench.trace_gaps import foreground_gaps, kernel_idle, short_name, trace_gaps, trace_transfer_idle
+from oasiskv.bench.trace_gaps import (foreground_gaps, kernel_company, kernel_idle, short_name, trace_company,
+                                     trace_gaps, trace_transfer_idle)
 
 
 def kernel(name, ts, dur, stream):
@@ -42,6 +43,7 @@ def test_short_names_and_trace_files(tmp_path):
     path.write_text(json.dumps({"traceEvents": two_steps()}))
     assert trace_gaps(str(path), steps=2) == foreground_gaps(two_steps(), steps=2)
     assert trace_transfer_idle(str(path), steps=2)["calls"] == 0  # no transfer in these steps
+    assert trace_company(str(path), steps=2) == kernel_company(two_steps(), steps=2)
 
 
 def test_transfer_idle_tells_a_queue_from_a_stream_that_waits_for_its_plan():
@@ -57,3 +59,17 @@ def test_transfer_idle_tells_a_queue_from_a_stream_that_waits_for_its_plan():
     assert idle["idle_waited_us"] == pytest.approx(15.25)
     assert idle["idle_other_us"] == pytest.approx(52.0)
     assert kernel_idle(events, 1, "_nothing")["calls"] == 0
+
+
+def test_company_groups_each_launch_by_what_overlaps_it_on_other_streams():
+    attn, fetch, bounds = "_decode_split_kernel", "_fetch_kernel", "_bounds_kernel"
+    events = [kernel(attn, 0, 40, 7), kernel(fetch, -100, 500, 4),  # beside the fetch only
+              kernel(attn, 100, 60, 7), kernel(bounds, 130, 50, 9),  # beside the fetch and a scan
+              kernel(attn, 600, 30, 7), kernel("gemm", 630, 10, 7),  # alone (same stream does not count)
+              kernel(attn, 700, 40, 7)]  # alone
+    rows = {tuple(r["company"]): r for r in kernel_company(events, steps=2)}
+    assert rows[()] == {"company": [], "per_step": 1.0, "us_each": 35.0, "overlap_us_each": {}}
+    assert rows[(fetch,)]["us_each"] == 40 and rows[(fetch,)]["overlap_us_each"] == {fetch: 40}
+    both = rows[(bounds, fetch)]
+    assert both["per_step"] == 0.5 and both["overlap_us_each"] == {fetch: 60, bounds: 30}
+    assert kernel_company(events, 2)[0]["company"] == []  # most launches first

@@ -88,3 +88,38 @@ def trace_transfer_idle(path: str, steps: int) -> dict:
     waiting on its layer's plan (the capped-eviction kernel)."""
     with open(path) as f:
         return kernel_idle(json.load(f)["traceEvents"], steps, "_fetch_kernel", "_capped_eviction_kernel")
+
+
+def kernel_company(events: list[dict], steps: int, kernel: str = ATTENTION) -> list[dict]:
+    """What runs beside each launch of one kernel kind (the foreground's attention, say) on the
+    other streams, and how long that launch takes in each company. One row per set of kernel
+    names overlapping a launch (empty: it ran alone): launches per step, µs each, and each
+    companion's overlap µs per launch. A kernel that takes 39 µs alone and 55 in the step is
+    slowed by whatever its slow rows name."""
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    runs = [e for e in kernels if e["name"].startswith(kernel)]
+    rows: dict = {}
+    for run in runs:
+        start, end, stream = run["ts"], run["ts"] + run["dur"], run.get("args", {}).get("stream")
+        overlap = defaultdict(float)
+        for other in kernels:
+            if other.get("args", {}).get("stream") == stream:
+                continue
+            shared = min(end, other["ts"] + other["dur"]) - max(start, other["ts"])
+            if shared > 0:
+                overlap[short_name(other["name"])] += shared
+        key = tuple(sorted(overlap))
+        row = rows.setdefault(key, {"company": list(key), "count": 0, "us": 0.0, "overlap": defaultdict(float)})
+        row["count"] += 1
+        row["us"] += run["dur"]
+        for name, us in overlap.items():
+            row["overlap"][name] += us
+    out = [{"company": r["company"], "per_step": r["count"] / steps, "us_each": r["us"] / r["count"],
+            "overlap_us_each": {k: v / r["count"] for k, v in r["overlap"].items()}} for r in rows.values()]
+    return sorted(out, key=lambda r: -r["per_step"])
+
+
+def trace_company(path: str, steps: int) -> list[dict]:
+    """`kernel_company` of the attention in a chrome trace file."""
+    with open(path) as f:
+        return kernel_company(json.load(f)["traceEvents"], steps)
