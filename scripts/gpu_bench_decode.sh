@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -134,6 +134,13 @@ company)  # what runs beside the attention in the 16K step, 5 stages then 3 (~3 
     mv "$OUT/sparse_profile.json" "$OUT/sparse_profile_16k_$name.json"
     rm -f "$OUT"/trace_*
     echo "== $name"; grep -A10 "beside them\|step_ms" "$OUT/profile_16k_$name.log"
+  done
+  ;;
+huge-pages)  # the host pool on 4 KiB base pages, then on 2 MiB huge pages: batch 16 fp8, a process each (~5 min)
+  cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
+  for pages in base huge; do
+    bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --host-pages $pages \
+      --output-json "$OUT/decode_b16_pages_$pages.json" 2>&1 | tee "$OUT/decode_b16_pages_$pages.log"
   done
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own

@@ -108,3 +108,14 @@ def test_random_alloc_free_sequences(ops):
         assert all(a[0] + a[1] < b[0] for a, b in zip(pool._free, pool._free[1:]))  # coalesced
         for rid, val in live.items():
             assert (pool.extent_items(pool.extent(rid)) == val).all()
+
+
+def test_huge_page_arena_is_aligned_writable_and_reports_its_huge_pages():
+    from oasiskv.sparse.host_pool import HUGE_PAGE, anon_huge_page_bytes, huge_page_empty
+    t = huge_page_empty((1024, 2, 16, 128), torch.bfloat16)  # 8 MiB: four huge pages
+    assert t.shape == (1024, 2, 16, 128) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0
+    t.fill_(1.5)
+    assert float(t.sum()) == 1.5 * t.numel()
+    assert anon_huge_page_bytes() >= 0  # what the kernel grants depends on its THP switch
+    assert huge_page_empty((0, 2, 16, 128), torch.float32).numel() == 0

@@ -90,6 +90,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "sets + summaries; reports the largest batch each mode admits and its throughput")
     p.add_argument("--fetch-ablation", action="store_true", help="sparse across fetch ratios " +
                    ", ".join(map(str, FETCH_RATIOS)))
+    p.add_argument("--host-pages", choices=["huge", "base"], default="huge",
+                   help="the pinned host pool on 2 MiB transparent huge pages (default) or 4 KiB base pages")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG of throughput vs batch (with --sweep)")
 
@@ -113,6 +115,7 @@ class DecodeBench:
         self.mc, self.bs = r.model_config, r.block_size
         r.kv.normal_()  # synthetic KV everywhere in the GPU pool
         self.host = None
+        self.host_setup_s = self.host_huge_gb = None
         self.sparse_cfg = dataclasses.replace(cfg.sparse_config(), enabled=True)  # validates the flags
         if args.summary_dtypes:  # runs not swept over it (ablation, capacity, no-prefetch) take the first
             self.sparse_cfg = dataclasses.replace(self.sparse_cfg, summary_dtype=args.summary_dtypes.split(",")[0])
@@ -295,18 +298,23 @@ class DecodeBench:
             torch.cuda.empty_cache() if r.device.type == "cuda" else None
 
     def _host_pool(self):
-        from oasiskv.sparse.host_pool import HostKVPool
+        from oasiskv.sparse.host_pool import HostKVPool, anon_huge_page_bytes
 
         if self.host is None:
             mc, r = self.mc, self.runner
             t0 = time.perf_counter()
-            self.host = HostKVPool(self.args.host_kv_gb, self.bs, mc.head_dim, r.dtype, pin=r.device.type == "cuda")
+            self.host = HostKVPool(self.args.host_kv_gb, self.bs, mc.head_dim, r.dtype, pin=r.device.type == "cuda",
+                                   huge_pages=self.args.host_pages == "huge")
             flat = self.host.items.view(-1)
             chunk = torch.randn(min(flat.numel(), 2**28), dtype=r.dtype, device=r.device)
             for start in range(0, flat.numel(), chunk.numel()):  # synthetic host KV, through PCIe
                 n = min(chunk.numel(), flat.numel() - start)
                 flat[start:start + n].copy_(chunk[:n])
             self.host_setup_s = time.perf_counter() - t0
+            self.host_huge_gb = anon_huge_page_bytes() / 2**30
+            print(f"host pool: {self.host.items.numel() * self.host.items.element_size() / 2**30:.1f} GiB, "
+                  f"{self.args.host_pages} pages asked, {self.host_huge_gb:.1f} GiB of the process on huge pages, "
+                  f"set up in {self.host_setup_s:.1f} s", flush=True)
         return self.host
 
     # ---- timing and the result row ----------------------------------------------------
@@ -443,6 +451,7 @@ def run_decode_bench(args) -> int:
         save()
 
     def save() -> None:
+        result.update(host_pages=args.host_pages, host_setup_s=bench.host_setup_s, host_huge_gb=bench.host_huge_gb)
         if args.output_json:
             with open(args.output_json, "w") as f:
                 json.dump(result, f, indent=2)

@@ -11,6 +11,7 @@ Extents are placed first-fit over a sorted free list; freeing coalesces neighbou
 from __future__ import annotations
 
 import bisect
+import mmap
 import weakref
 from dataclasses import dataclass
 
@@ -45,14 +46,48 @@ def item_indices(start: torch.Tensor | int, max_blocks: torch.Tensor | int, num_
     return t(start) + (t(layer) * t(max_blocks) + t(block)) * num_kv_heads + t(head)
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised host memory on 2 MiB boundaries, advised to the kernel as transparent huge
+    pages (where THP is "madvise" or "always"). A pool of 4 KiB pages gives the GPU one
+    translation per 4 KiB it reads through UVA: the fetch's scattered 8 KiB items then miss the
+    GPU's TLBs on every item, and the page walks they queue slow the foreground's own
+    translations (docs/benchmarks.md, eighth session)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # Private: shared anonymous memory is shmem, whose huge pages follow another switch.
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds `buf` until the tensor is freed
+    skip = -raw.data_ptr() % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
+def anon_huge_page_bytes() -> int:
+    """This process's anonymous memory on transparent huge pages (Linux; 0 elsewhere): what the
+    kernel actually granted of `huge_page_empty`'s advice."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
     """Page-locked host memory of exactly the asked size, mapped for the GPU (UVA).
 
     `torch.empty(pin_memory=True)` goes through the caching host allocator, which rounds every
     request up to a power of two: a 70 GiB arena would ask for 128 GiB and fail on a machine
-    with 125 GiB. So take ordinary memory and register it with CUDA instead (unregistered when
-    the tensor is freed)."""
-    t = torch.empty(shape, dtype=dtype)
+    with 125 GiB. So take ordinary memory (huge pages unless told not to) and register it with
+    CUDA instead (unregistered when the tensor is freed)."""
+    t = huge_page_empty(shape, dtype) if huge_pages else torch.empty(shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     if nbytes:
         cudart = torch.cuda.cudart()
@@ -72,16 +107,17 @@ class HostKVPool:
 
     def __init__(self, capacity_gb: float, block_size: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, pin: bool = True, *,
-                 num_items: int | None = None):
+                 num_items: int | None = None, huge_pages: bool = True):
         """`capacity_gb` GiB (2**30 bytes, as --kv-cache-gb), rounded down to whole items;
-        `num_items` sets the item count exactly instead (tests, small pools)."""
+        `num_items` sets the item count exactly instead (tests, small pools); huge_pages: the
+        pinned arena on 2 MiB pages (`huge_page_empty`)."""
         self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
         self.item_bytes = 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
         if num_items is None:
             num_items = int(capacity_gb * 2**30) // self.item_bytes
         self.pinned = pin and torch.cuda.is_available()
         shape = (num_items, 2, block_size, head_dim)
-        self.items = pinned_empty(shape, dtype) if self.pinned else torch.empty(shape, dtype=dtype)
+        self.items = pinned_empty(shape, dtype, huge_pages) if self.pinned else torch.empty(shape, dtype=dtype)
         self._free: list[tuple[int, int]] = [(0, num_items)] if num_items else []  # (start, length)
         self._extents: dict[int | str, HostExtent] = {}
 
