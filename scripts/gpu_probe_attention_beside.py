@@ -27,6 +27,9 @@ set spans 36 layers (~5 GB of HBM) and its host extents 64 MB per request and la
 4 attention buffers, 16 MB extents). --attention-buffers 36 --blocks 1024 gives the probe the
 step's footprint: if the attention then slows to ~57 µs beside the fetch, address translation
 (TLB reach over the two footprints) is what the two share.
+Measured: 50.0 µs beside the UVA fetch against 43.9 beside the HBM one, and with the host pool
+on huge pages 44.0 against 44.3; "uva 8 into attention" (the fetch writing the attention's
+working sets, as in the step) changed nothing (45.3 against 45.1).
 
     PYTHONPATH=. python3 scripts/gpu_probe_attention_beside.py [--attention-buffers N] [--blocks NB]
         [--transfers "uva 8,hbm 8"] [--json OUT]
@@ -45,9 +48,10 @@ from oasiskv.sparse.host_pool import HostKVPool
 
 dev = torch.device("cuda")
 HQ, D, BS, WS_BLOCKS = 32, 128, 16, 1 + 128 + 4
-TRANSFERS = {  # name: (source, programs, warps, TMA stages)
-    "uva 8": ("uva", 8, 8, 0), "uva 8 tma": ("uva", 8, 8, 6), "hbm 8": ("hbm", 8, 8, 0),
-    "uva 8 w4": ("uva", 8, 4, 0), "uva 4": ("uva", 4, 8, 0),
+TRANSFERS = {  # name: (source, programs, warps, TMA stages, into the attention's working sets)
+    "uva 8": ("uva", 8, 8, 0, False), "uva 8 tma": ("uva", 8, 8, 6, False), "hbm 8": ("hbm", 8, 8, 0, False),
+    "uva 8 w4": ("uva", 8, 4, 0, False), "uva 4": ("uva", 4, 8, 0, False),
+    "uva 8 into attention": ("uva", 8, 8, 0, True),  # as in the step: the fetch writes the pool the attention reads
 }
 
 
@@ -66,7 +70,8 @@ def attention_graphs(buffers: int) -> tuple[dict, list]:
     gen = torch.Generator(device=dev).manual_seed(0)
     layers = []
     for _ in range(buffers):
-        pool = torch.randn(R * H * WS_BLOCKS + 64, 2, BS, D, device=dev, generator=gen).to(torch.bfloat16)
+        items = max(R * H * WS_BLOCKS + 64, R * P * H)  # room for the fetch's slots too
+        pool = torch.randn(items, 2, BS, D, device=dev, generator=gen).to(torch.bfloat16)
         slots = torch.randperm(pool.shape[0] - 64, device=dev, generator=gen)[:R * H * WS_BLOCKS]
         q = torch.randn(R, 2, HQ, D, device=dev, generator=gen).to(torch.bfloat16)
         kn = torch.randn(R, 2, H, D, device=dev, generator=gen).to(torch.bfloat16)
@@ -81,9 +86,10 @@ def attention_graphs(buffers: int) -> tuple[dict, list]:
     return {stages: capture(lambda: step(stages)) for stages in (3, 5)}, layers
 
 
-def transfer_graphs(res: dict, names: list[str], blocks_per_request: int) -> tuple[dict, tuple]:
+def transfer_graphs(res: dict, names: list[str], blocks_per_request: int, working_sets: list) -> tuple[dict, tuple]:
     """One step's 36 fetches per variant named (of TRANSFERS), each timed alone (GB/s); and the
-    buffers the graphs read and write, which must outlive them."""
+    buffers the graphs read and write, which must outlive them. working_sets: the attention's
+    pools, which "into attention" variants write (layer l into pool l % len)."""
     gen = torch.Generator().manual_seed(0)
     NB = blocks_per_request
     pool = HostKVPool(0, 16, 128, torch.bfloat16, pin=True, num_items=R * L * NB * H)  # 9 GiB at 256 blocks
@@ -97,10 +103,11 @@ def transfer_graphs(res: dict, names: list[str], blocks_per_request: int) -> tup
     moved = int((blocks >= 0).sum()) * pool.item_bytes
     graphs = {}
     for name in names:
-        source, programs, warps, tma = TRANSFERS[name]
+        source, programs, warps, tma, into_attention = TRANSFERS[name]
         def step():
             for layer in range(L):
-                fetch_admitted(sources[source], kv, layer, blocks[layer], slots[layer], pages, start, nblocks, H, S,
+                dst = working_sets[layer % len(working_sets)] if into_attention else kv
+                fetch_admitted(sources[source], dst, layer, blocks[layer], slots[layer], pages, start, nblocks, H, S,
                                num_programs=programs, num_warps=warps, tma_stages=tma)
         try:
             graphs[name] = g = capture(step)
@@ -120,7 +127,7 @@ def main() -> int:
     args = ap.parse_args()
     res: dict = {"attention buffers": args.attention_buffers, "blocks": args.blocks}
     attention, _layers = attention_graphs(args.attention_buffers)
-    transfers, _buffers = transfer_graphs(res, args.transfers.split(","), args.blocks)
+    transfers, _buffers = transfer_graphs(res, args.transfers.split(","), args.blocks, [x[3] for x in _layers])
     side = torch.cuda.Stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     reps = 5  # attention steps timed; the transfer (~6 ms a step) is queued to outlast them
