@@ -126,7 +126,7 @@ beside)  # measured 2026-12-02, eighth session (~4 min): the working-set attenti
   [ "${STEP:-1}" = 1 ] && bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --transfer-programs 4,8 --attention-stages 3,5 --output-json "$OUT/decode_b16_beside.json" 2>&1 | tee "$OUT/decode_b16_beside.log"
   ;;
-company)  # what runs beside the attention in the 16K step, 5 stages then 3 (~3 min)
+company)  # measured 2026-12-02, eighth session (~2.5 min): what runs beside the attention in the 16K step, 5 stages then 3
   for run in "stages5 --modes fg,sparse --attention-stages 5" "stages3 --modes sparse"; do
     set -- $run
     name=$1; shift
@@ -136,7 +136,7 @@ company)  # what runs beside the attention in the 16K step, 5 stages then 3 (~3 
     echo "== $name"; grep -A10 "beside them\|step_ms" "$OUT/profile_16k_$name.log"
   done
   ;;
-huge-pages)  # the host pool on 4 KiB base pages, then on 2 MiB huge pages: batch 16 fp8, a process each (~5 min)
+huge-pages)  # measured 2026-12-02, eighth session (~3 min): the host pool on 4 KiB base pages, then on 2 MiB huge pages: batch 16 fp8, a process each
   cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
   for pages in base huge; do
     bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --host-pages $pages \

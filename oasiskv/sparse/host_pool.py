@@ -51,12 +51,13 @@ HUGE_PAGE = 2 << 20
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Uninitialised host memory on 2 MiB boundaries, advised to the kernel as transparent huge
-    pages (where THP is "madvise" or "always"). A pool of 4 KiB pages gives the GPU one
-    translation per 4 KiB it reads through UVA: the fetch's scattered 8 KiB items then miss the
-    GPU's TLBs on every item, and the page walks they queue slow the foreground's own
-    translations (docs/benchmarks.md, eighth session)."""
+    pages (where THP is "madvise" or "always"; elsewhere ordinary memory). On 4 KiB pages the
+    GPU needs a translation for about every 8 KiB item the fetch reads through UVA. In a probe
+    at the decode step's footprint, that slowed the working-set attention beside the fetch by
+    ~6 µs a layer, and huge pages took it away; a 92 GiB pool also registers in 22 s instead
+    of 53 (docs/benchmarks.md, eighth session)."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(shape, dtype=dtype)
     # Private: shared anonymous memory is shmem, whose huge pages follow another switch.
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
