@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -141,6 +141,13 @@ huge-pages)  # measured 2026-12-02, eighth session (~3 min): the host pool on 4 
   for pages in base huge; do
     bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --host-pages $pages \
       --output-json "$OUT/decode_b16_pages_$pages.json" 2>&1 | tee "$OUT/decode_b16_pages_$pages.log"
+  done
+  ;;
+mini-step)  # prepared in the eighth session, unmeasured (~2 min): the foreground's GEMMs and attention of 36 layers, alone and beside one step's fetch, 5 then 3 stages
+  for stages in 5 3; do
+    python3 scripts/gpu_probe_mini_step.py --stages $stages --json "$OUT/probe_mini_step_$stages.json" 2>&1 \
+      | grep -v "^(" | tee "$OUT/probe_mini_step_$stages.log"
+    rm -f "$OUT"/trace_mini_step_*
   done
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own

@@ -63,10 +63,9 @@ def plan(gen, blocks_per_request: int):
     return blocks.to(dev), slots.view(L, R * H, C).int().to(dev)
 
 
-def attention_graphs(buffers: int) -> tuple[dict, list]:
-    """The working-set attention of one step (36 layers cycling over `buffers` working sets; 4
-    already miss L2), 3 and 5 stages; and the buffers the graphs read and write, which must
-    outlive them."""
+def working_sets(buffers: int) -> list[tuple]:
+    """`buffers` working sets of a batch 16 step's attention: (q, k_new, v_new, pool, slot
+    tables, lengths, out) each."""
     gen = torch.Generator(device=dev).manual_seed(0)
     layers = []
     for _ in range(buffers):
@@ -78,11 +77,23 @@ def attention_graphs(buffers: int) -> tuple[dict, list]:
         layers.append((q, kn, torch.randn_like(kn), pool, slots.view(R, H, WS_BLOCKS).int(),
                        torch.full((R, H), WS_BLOCKS * BS - BS // 2, device=dev, dtype=torch.int32),
                        torch.empty_like(q)))
+    return layers
+
+
+def attend(layer: tuple, stages: int) -> torch.Tensor:
+    q, kn, vn, pool, slots, lens, out = layer
+    return paged_decode_triton(q, kn, vn, pool, slots, lens, D ** -0.5, num_splits=1, num_stages=stages, out=out)
+
+
+def attention_graphs(buffers: int) -> tuple[dict, list]:
+    """The working-set attention of one step (36 layers cycling over `buffers` working sets; 4
+    already miss L2), 3 and 5 stages; and the buffers the graphs read and write, which must
+    outlive them."""
+    layers = working_sets(buffers)
 
     def step(stages):
         for i in range(L):
-            q, kn, vn, pool, slots, lens, out = layers[i % buffers]
-            paged_decode_triton(q, kn, vn, pool, slots, lens, D ** -0.5, num_splits=1, num_stages=stages, out=out)
+            attend(layers[i % buffers], stages)
     return {stages: capture(lambda: step(stages)) for stages in (3, 5)}, layers
 
 
@@ -93,8 +104,9 @@ def transfer_graphs(res: dict, names: list[str], blocks_per_request: int, workin
     gen = torch.Generator().manual_seed(0)
     NB = blocks_per_request
     pool = HostKVPool(0, 16, 128, torch.bfloat16, pin=True, num_items=R * L * NB * H)  # 9 GiB at 256 blocks
-    sources = {"uva": device_view(pool.items, dev),
-               "hbm": torch.empty(pool.items.shape, dtype=torch.bfloat16, device=dev)}
+    sources = {"uva": device_view(pool.items, dev)}
+    if any(TRANSFERS[name][0] == "hbm" for name in names):  # a copy of the pool in HBM
+        sources["hbm"] = torch.empty(pool.items.shape, dtype=torch.bfloat16, device=dev)
     pages = torch.arange(R * P, dtype=torch.int32, device=dev).view(R, P)
     start = torch.arange(R, device=dev) * (L * NB * H)
     nblocks = torch.full((R,), NB, device=dev)
@@ -118,6 +130,25 @@ def transfer_graphs(res: dict, names: list[str], blocks_per_request: int, workin
     return graphs, (pool, sources, kv)
 
 
+def time_beside(graph: torch.cuda.CUDAGraph, transfer: torch.cuda.CUDAGraph, reps: int = 5,
+                transfer_reps: int = 4) -> float:
+    """ms a replay of `graph` while `transfer` replays on a side stream (queued first, enough
+    of them to outlast the timed replays)."""
+    side = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(transfer_reps):
+            transfer.replay()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention-buffers", type=int, default=4)
@@ -128,25 +159,12 @@ def main() -> int:
     res: dict = {"attention buffers": args.attention_buffers, "blocks": args.blocks}
     attention, _layers = attention_graphs(args.attention_buffers)
     transfers, _buffers = transfer_graphs(res, args.transfers.split(","), args.blocks, [x[3] for x in _layers])
-    side = torch.cuda.Stream()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 5  # attention steps timed; the transfer (~6 ms a step) is queued to outlast them
     for stages, g in attention.items():
         res[f"attention {stages} stages: alone us a layer"] = 1e3 * time_eager(g.replay) / L
         for name in args.transfers.split(","):
             if name not in transfers:
                 continue
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(4):
-                    transfers[name].replay()
-            start.record()
-            for _ in range(reps):
-                g.replay()
-            end.record()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            res[f"attention {stages} stages: beside {name} us a layer"] = 1e3 * start.elapsed_time(end) / reps / L
+            res[f"attention {stages} stages: beside {name} us a layer"] = 1e3 * time_beside(g, transfers[name]) / L
             print(list(res.items())[-1], flush=True)
     report(res, args.json)
     return 0
