@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -143,12 +143,24 @@ huge-pages)  # measured 2026-12-02, eighth session (~3 min): the host pool on 4 
       --output-json "$OUT/decode_b16_pages_$pages.json" 2>&1 | tee "$OUT/decode_b16_pages_$pages.log"
   done
   ;;
-mini-step)  # prepared in the eighth session, unmeasured (~2 min): the foreground's GEMMs and attention of 36 layers, alone and beside one step's fetch, 5 then 3 stages
-  for stages in 5 3; do
-    python3 scripts/gpu_probe_mini_step.py --stages $stages --json "$OUT/probe_mini_step_$stages.json" 2>&1 \
-      | grep -v "^(" | tee "$OUT/probe_mini_step_$stages.log"
+mini-step)  # prepared in the eighth session, unmeasured (~3 min): the foreground's GEMMs and attention of 36 layers, alone and beside one step's fetch, 5 then 3 stages; then 5 beside the fetch on 4 whole SMs
+  for run in "5 uva 8" "3 uva 8" "5 uva 4 w32"; do
+    set -- $run
+    stages=$1; shift
+    name="${stages}_$(echo "$*" | tr ' ' '_')"
+    python3 scripts/gpu_probe_mini_step.py --stages $stages --transfer "$*" --json "$OUT/probe_mini_step_$name.json" 2>&1 \
+      | grep -v "^(" | tee "$OUT/probe_mini_step_$name.log"
     rm -f "$OUT"/trace_mini_step_*
   done
+  ;;
+exclusive|exclusive-32k)  # prepared in the ninth session, unmeasured (~4 min each): the fetch on 4 programs that each hold a whole SM (16 items, 32 warps) against the default 8, 3 and 5 attention stages, batch 16 fp8, one process; `exclusive` first probes the attention beside both at the step's footprint
+  context=$([ "$1" = exclusive ] && echo 16384 || echo 32768)
+  [ "$1" = exclusive ] && python3 scripts/gpu_probe_attention_beside.py --attention-buffers 36 --blocks 1024 \
+    --transfers "uva 8,uva 4 w32" --json "$OUT/probe_attention_beside_exclusive.json" 2>&1 | grep -v "^(" \
+    | tee "$OUT/probe_attention_beside_exclusive.log"
+  bench --sweep --batch-sizes 16 --context-lens $context --steps 32 --summary-dtypes fp8 \
+    --transfer-programs 8,4:16:32 --attention-stages 3,5 \
+    --output-json "$OUT/decode_b16_exclusive_$context.json" 2>&1 | tee "$OUT/decode_b16_exclusive_$context.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

@@ -31,6 +31,14 @@ Measured: 50.0 µs beside the UVA fetch against 43.9 beside the HBM one, and wit
 on huge pages 44.0 against 44.3; "uva 8 into attention" (the fetch writing the attention's
 working sets, as in the step) changed nothing (45.3 against 45.1).
 
+Prepared in the ninth session (not run yet): "uva 4 w32", 4 fetch programs of 32 warps with 16
+items in flight. Each takes its SM's whole register file, so the 128 attention programs (one
+split, one an SM at 5 stages) have the other 128 SMs to themselves; the default fetch program
+(256 threads of 48 registers) leaves room for an attention program beside it. Prediction: if
+sharing an SM with a fetch program is what slows the attention, it stays near its time alone
+beside "uva 4 w32" (that form moved ~45 GB/s in the later session of 2026-12-01), where beside
+"uva 8" it slows.
+
     PYTHONPATH=. python3 scripts/gpu_probe_attention_beside.py [--attention-buffers N] [--blocks NB]
         [--transfers "uva 8,hbm 8"] [--json OUT]
 """
@@ -48,10 +56,13 @@ from oasiskv.sparse.host_pool import HostKVPool
 
 dev = torch.device("cuda")
 HQ, D, BS, WS_BLOCKS = 32, 128, 16, 1 + 128 + 4
-TRANSFERS = {  # name: (source, programs, warps, TMA stages, into the attention's working sets)
-    "uva 8": ("uva", 8, 8, 0, False), "uva 8 tma": ("uva", 8, 8, 6, False), "hbm 8": ("hbm", 8, 8, 0, False),
-    "uva 8 w4": ("uva", 8, 4, 0, False), "uva 4": ("uva", 4, 8, 0, False),
-    "uva 8 into attention": ("uva", 8, 8, 0, True),  # as in the step: the fetch writes the pool the attention reads
+TRANSFERS = {  # name: (source, programs, warps, items a load, TMA stages, into the attention's working sets)
+    "uva 8": ("uva", 8, 8, 4, 0, False), "uva 8 tma": ("uva", 8, 8, 4, 6, False), "hbm 8": ("hbm", 8, 8, 4, 0, False),
+    "uva 8 w4": ("uva", 8, 4, 4, 0, False), "uva 4": ("uva", 4, 8, 4, 0, False),
+    "uva 8 into attention": ("uva", 8, 8, 4, 0, True),  # as in the step: the fetch writes the pool the attention reads
+    # 1,024 threads of 64 registers: the whole register file of its SM, so no attention program
+    # can share one (scripts/inspect_decode_kernel.py --fetch)
+    "uva 4 w32": ("uva", 4, 32, 16, 0, False),
 }
 
 
@@ -115,12 +126,12 @@ def transfer_graphs(res: dict, names: list[str], blocks_per_request: int, workin
     moved = int((blocks >= 0).sum()) * pool.item_bytes
     graphs = {}
     for name in names:
-        source, programs, warps, tma, into_attention = TRANSFERS[name]
+        source, programs, warps, items, tma, into_attention = TRANSFERS[name]
         def step():
             for layer in range(L):
                 dst = working_sets[layer % len(working_sets)] if into_attention else kv
                 fetch_admitted(sources[source], dst, layer, blocks[layer], slots[layer], pages, start, nblocks, H, S,
-                               num_programs=programs, num_warps=warps, tma_stages=tma)
+                               num_programs=programs, items_per_load=items, num_warps=warps, tma_stages=tma)
         try:
             graphs[name] = g = capture(step)
             res[f"{name}: alone GB/s"] = moved / time_eager(g.replay) / 1e6

@@ -16,7 +16,10 @@ here (against ~44 in the attention-only probe) and ~39 alone. If it stays at ~44
 in the step is the pipeline's own schedule (when each fetch starts, the other stages' kernels),
 not the GEMMs.
 
-    PYTHONPATH=. python3 scripts/gpu_probe_mini_step.py [--stages 5] [--blocks 1024] [--json OUT]
+--transfer "uva 4 w32" (ninth session) puts the fetch on 4 programs that each hold a whole SM
+(`gpu_probe_attention_beside.TRANSFERS`), so no attention program shares an SM with one.
+
+    PYTHONPATH=. python3 scripts/gpu_probe_mini_step.py [--stages 5] [--blocks 1024] [--transfer "uva 8"] [--json OUT]
 """
 from __future__ import annotations
 
@@ -82,23 +85,25 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=5, help="the attention's load stages")
     ap.add_argument("--attention-buffers", type=int, default=36)
     ap.add_argument("--blocks", type=int, default=1024, help="context blocks per request (host extent size)")
+    ap.add_argument("--transfer", default="uva 8", help="the fetch beside it (gpu_probe_attention_beside.TRANSFERS)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    res: dict = {"stages": args.stages, "attention buffers": args.attention_buffers, "blocks": args.blocks}
+    res: dict = {"stages": args.stages, "attention buffers": args.attention_buffers, "blocks": args.blocks,
+                 "transfer": args.transfer}
     layers = working_sets(args.attention_buffers)
     graph, _inputs = mini_step_graph(layers, args.stages)
-    transfers, _buffers = transfer_graphs(res, ["uva 8"], args.blocks, [x[3] for x in layers])
-    fetch = transfers["uva 8"]
+    transfers, _buffers = transfer_graphs(res, [args.transfer], args.blocks, [x[3] for x in layers])
+    fetch = transfers[args.transfer]
     reps = 3  # a mini step is ~6 ms; 5 fetch replays (~5.5 ms each) outlast 3 of them
     res["mini step alone ms"] = time_eager(graph.replay)
-    res["mini step beside uva 8 ms"] = time_beside(graph, fetch, reps=reps, transfer_reps=5)
+    res["mini step beside the fetch ms"] = time_beside(graph, fetch, reps=reps, transfer_reps=5)
     res["profile alone"] = profiled(lambda: [graph.replay() for _ in range(reps)],
                                     os.path.join(out_dir, "trace_mini_step_alone.json"), reps)
-    res["profile beside uva 8"] = profiled(lambda: time_beside(graph, fetch, reps=reps, transfer_reps=5),
+    res["profile beside the fetch"] = profiled(lambda: time_beside(graph, fetch, reps=reps, transfer_reps=5),
                                            os.path.join(out_dir, "trace_mini_step_beside.json"), reps)
-    for label in ("profile alone", "profile beside uva 8"):
+    for label in ("profile alone", "profile beside the fetch"):
         p = res[label]
         print(f"--- {label}: kernel µs each (launches)")
         for k, v in sorted(p["kernel us each"].items(), key=lambda kv: -kv[1])[:8]:

@@ -5,6 +5,12 @@ bytes one program has in flight.
 
     .venv/bin/python scripts/inspect_decode_kernel.py            # the working-set shape, a few configs
     .venv/bin/python scripts/inspect_decode_kernel.py 8:4:5 4:4:6  # TILE_BLOCKS:WARPS:STAGES
+    .venv/bin/python scripts/inspect_decode_kernel.py --fetch 4:8 16:32  # the transfer kernel, ITEMS:WARPS
+
+--fetch: the transfer's fetch kernel (`copy_items._fetch_kernel`) instead, and whether a 5-stage
+attention program (8:4:5) still fits on the SM beside one of its programs. Compiled on the CPU
+(2026-12-02): 4 items, 8 warps (the default) take 48 registers x 256 threads, so an attention
+program fits beside it; 16 items, 32 warps take 64 x 1,024 = the whole register file.
 
 Ints are compiled as the JIT specializes them at the qwen3-8b working-set call (strides and
 pointers divisible by 16); without that, Triton cannot vectorize or pipeline the loads.
@@ -22,6 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from oasiskv.kernels.copy_items import _fetch_kernel
 from oasiskv.kernels.paged_decode import _decode_split_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -72,7 +79,39 @@ def inspect(tile_blocks: int, num_warps: int, num_stages: int) -> dict:
             "kv_kb_in_flight_per_program": depth * tile_bytes // 1024}
 
 
+def inspect_fetch(items: int, num_warps: int) -> dict:
+    """Registers, threads and shared memory of one fetch program (8 KiB bf16 items)."""
+    names = _fetch_kernel.arg_names
+    pointers = {"host_ptr": "*bf16", "kv_ptr": "*bf16", "blk_ptr": "*i32", "slot_ptr": "*i32", "pages_ptr": "*i32",
+                "ext_start_ptr": "*i64", "ext_blocks_ptr": "*i64"}
+    const = dict(ITEM=4096, ITEMP=4096, ITEMS=items)
+    sig = {n: pointers.get(n) or ("constexpr" if n in const else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers}
+    src = ASTSource(fn=_fetch_kernel, signature=sig, attrs=attrs,
+                    constexprs={(names.index(n),): v for n, v in const.items()})
+    k = triton.compile(src, target=SM90, options=dict(num_warps=num_warps))
+    return {"items": items, "num_warps": num_warps, "registers": registers(k.asm["ptx"]),
+            "threads": 32 * num_warps, "shared_kb": round(k.metadata.shared / 1024)}
+
+
+def main_fetch(configs: list[str]) -> None:
+    att = inspect(8, 4, 5)
+    att_regs, att_threads = att["registers"] * 128, 128
+    print(f"beside a 5-stage attention program ({att_regs} registers, {att['shared_kb']} KB shared, 128 threads):")
+    print(f"{'config':>8} {'regs':>5} {'threads':>7} {'register file':>13} {'shared KB':>9} {'attention fits':>14}")
+    for text in configs:
+        f = inspect_fetch(*(int(x) for x in text.split(":")))
+        used = f["registers"] * f["threads"]
+        fits = (used + att_regs <= REGS_PER_SM and f["threads"] + att_threads <= THREADS_PER_SM
+                and (f["shared_kb"] + att["shared_kb"]) * 1024 <= SMEM_PER_SM)
+        print(f"{text:>8} {f['registers']:>5} {f['threads']:>7} {used / REGS_PER_SM:>12.0%} {f['shared_kb']:>9} "
+              f"{'yes' if fits else 'no':>14}")
+
+
 def main():
+    if sys.argv[1:2] == ["--fetch"]:
+        main_fetch(sys.argv[2:] or ["4:8", "8:16", "16:32"])
+        return
     configs = sys.argv[1:] or ["8:4:3", "8:4:4", "8:4:5", "4:4:4", "4:4:6", "8:8:5"]
     # A working set at batch 16 is 128 programs with one split: one a SM, whatever fits.
     print(f"{'config':>8} {'K/V buffers':>11} {'shared KB':>9} {'regs':>5} {'programs/SM':>11} "
