@@ -96,8 +96,10 @@ def inspect_fetch(items: int, num_warps: int) -> dict:
 
 def main_fetch(configs: list[str]) -> None:
     att = inspect(8, 4, 5)
-    att_regs, att_threads = att["registers"] * 128, 128
-    print(f"beside a 5-stage attention program ({att_regs} registers, {att['shared_kb']} KB shared, 128 threads):")
+    att_threads = 32 * att["num_warps"]
+    att_regs = att["registers"] * att_threads
+    print(f"beside a 5-stage attention program ({att_regs} registers, {att['shared_kb']} KB shared, "
+          f"{att_threads} threads):")
     print(f"{'config':>8} {'regs':>5} {'threads':>7} {'register file':>13} {'shared KB':>9} {'attention fits':>14}")
     for text in configs:
         f = inspect_fetch(*(int(x) for x in text.split(":")))
