@@ -153,13 +153,13 @@ mini-step)  # prepared in the eighth session, unmeasured (~3 min): the foregroun
     rm -f "$OUT"/trace_mini_step_*
   done
   ;;
-exclusive|exclusive-32k)  # prepared in the ninth session, unmeasured (~4 min each): the fetch on 4 programs that each hold a whole SM (16 items, 32 warps) against the default 8, 3 and 5 attention stages, batch 16 fp8, one process; `exclusive` first probes the attention beside both at the step's footprint
+exclusive|exclusive-32k)  # prepared in the ninth session, unmeasured (~5 min each): the fetch on 4 programs that each hold a whole SM (16 items, 32 warps) against the default 8, 3 and 5 attention stages, the transfer stream at normal and high priority, batch 16 fp8, one process; `exclusive` first probes the attention beside both fetches at the step's footprint
   context=$([ "$1" = exclusive ] && echo 16384 || echo 32768)
   [ "$1" = exclusive ] && python3 scripts/gpu_probe_attention_beside.py --attention-buffers 36 --blocks 1024 \
     --transfers "uva 8,uva 4 w32" --json "$OUT/probe_attention_beside_exclusive.json" 2>&1 | grep -v "^(" \
     | tee "$OUT/probe_attention_beside_exclusive.log"
   bench --sweep --batch-sizes 16 --context-lens $context --steps 32 --summary-dtypes fp8 \
-    --transfer-programs 8,4:16:32 --attention-stages 3,5 \
+    --transfer-programs 8,4:16:32 --attention-stages 3,5 --transfer-priorities normal,high \
     --output-json "$OUT/decode_b16_exclusive_$context.json" 2>&1 | tee "$OUT/decode_b16_exclusive_$context.log"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own

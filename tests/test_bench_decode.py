@@ -65,12 +65,12 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     nothing, and neither counts in the speedups. The transfer and bounds-kernel knobs are
     recorded per run; --summary-dtypes runs sparse once per summary dtype (fp8: a quarter of
     float32's summary bytes). --attention-splits, --attention-stages, --attention-merges,
-    --stage-forks and --transfer-tma-stages are recorded (CPU attention has none of them; CPU
+    --stage-forks, --transfer-tma-stages and --transfer-priorities are recorded (CPU attention has none of them; CPU
     stages run in-line, and the CPU transfer is torch indexing)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
                     "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
                     "--attention-splits", "1", "--attention-stages", "5", "--attention-merges", "fused",
-                    "--stage-forks", "o_proj", "--transfer-tma-stages", "6")
+                    "--stage-forks", "o_proj", "--transfer-tma-stages", "6", "--transfer-priorities", "high")
     dense, sparse, fp8, predict, select = res["runs"]
     assert (sparse["summary_dtype"], fp8["summary_dtype"]) == ("auto", "fp8")
     assert fp8["summary_bytes_per_step"] * 4 == sparse["summary_bytes_per_step"] and fp8["admitted_per_step"] > 0
@@ -78,8 +78,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
     assert predict["fetched_bytes_per_step"] == 0
     knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling", "attention_splits",
-             "attention_stages", "attention_merge", "stages_fork", "transfer_tma_stages")
-    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, "fused", "o_proj", 6]
+             "attention_stages", "attention_merge", "stages_fork", "transfer_tma_stages", "transfer_priority")
+    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, "fused", "o_proj", 6, "high"]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]
 
@@ -90,7 +90,7 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
                                         ("--deferred-layers", "2,-1"), ("--attention-splits", "-2"),
                                         ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0"),
                                         ("--attention-merges", "atomic"), ("--stage-forks", "attention,qkv"),
-                                        ("--transfer-tma-stages", "6,-1")])
+                                        ("--transfer-tma-stages", "6,-1"), ("--transfer-priorities", "normal,urgent")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""

@@ -28,6 +28,7 @@ from oasiskv.engine.sampler import read_host, to_host
 from oasiskv.entrypoints.args import engine_config
 
 FETCH_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 1.0)
+TRANSFER_PRIORITIES = {"normal": 0, "high": -1}  # --transfer-priorities: torch stream priorities (lower is higher)
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +62,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-forks", default=None,
                    help="comma list of attention / o_proj / mlp: the part of each layer after which the "
                         "pipeline's stages start on their streams (default: the pipeline's, from the context)")
+    p.add_argument("--transfer-priorities", default="normal",
+                   help="comma list of normal / high: the sparse pipeline's transfer stream at the default "
+                        "priority, or at a higher one so the fetch's programs take SMs first")
     p.add_argument("--transfer-tma-stages", default=None,
                    help="comma list: 0 = the transfer kernel loads through the SMs' load units, N > 0 = "
                         "through TMA, N deep (default: the pipeline's TRANSFER_TMA_STAGES)")
@@ -189,7 +193,8 @@ class DecodeBench:
                    summary_dtype: str | None = None, deferred_layers: int | None = None,
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
                    attention_stages: int | None = None, fused_merge: bool = False,
-                   stages_fork: str | None = None, tma_stages: int | None = None) -> dict:
+                   stages_fork: str | None = None, tma_stages: int | None = None,
+                   transfer_priority: str = "normal") -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -211,7 +216,8 @@ class DecodeBench:
             p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb,
                                   summary_blocks=batch * nb, block_size=bs,
                                   transfer_programs=programs,
-                                  transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0])
+                                  transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0],
+                                  transfer_priority=TRANSFER_PRIORITIES[transfer_priority])
             p.transfer_items = items or p.transfer_items
             p.transfer_warps = warps or p.transfer_warps
             p.prefetch = prefetch
@@ -285,6 +291,7 @@ class DecodeBench:
                        gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
                        attention_merge="fused" if p.attention_fused_merge else "launch",
                        stages_fork=p.stages_fork, transfer_tma_stages=p.transfer_tma_stages,
+                       transfer_priority=transfer_priority,
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -430,6 +437,8 @@ def run_decode_bench(args) -> int:
     from oasiskv.sparse.pipeline import STAGE_FORKS
     if args.stage_forks and set(args.stage_forks.split(",")) - set(STAGE_FORKS):
         raise ValueError(f"--stage-forks takes {' / '.join(STAGE_FORKS)}, not {args.stage_forks!r}")
+    if set(args.transfer_priorities.split(",")) - set(TRANSFER_PRIORITIES):
+        raise ValueError(f"--transfer-priorities takes {' / '.join(TRANSFER_PRIORITIES)}, not {args.transfer_priorities!r}")
     if args.transfer_tma_stages and any(n < 0 for n in _ints(args.transfer_tma_stages)):
         raise ValueError(f"--transfer-tma-stages takes counts >= 0, not {args.transfer_tma_stages!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
@@ -470,7 +479,7 @@ def run_decode_bench(args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, carveout, stages, merge, fork, tma in itertools.product(
+                                for tiling, summary, deferred, splits, carveout, stages, merge, fork, tma, priority in itertools.product(
                                         args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
                                         _ints(args.deferred_layers) if args.deferred_layers else [None],
                                         _ints(args.attention_splits) if args.attention_splits else [None],
@@ -478,13 +487,15 @@ def run_decode_bench(args) -> int:
                                         _ints(args.attention_stages) if args.attention_stages else [None],
                                         args.attention_merges.split(","),
                                         args.stage_forks.split(",") if args.stage_forks else [None],
-                                        _ints(args.transfer_tma_stages) if args.transfer_tma_stages else [None]):
+                                        _ints(args.transfer_tma_stages) if args.transfer_tma_stages else [None],
+                                        args.transfer_priorities.split(",")):
                                     record(bench.run_sparse(batch, context, transfer_programs=programs,
                                                             transfer_backend=backend, bounds_tiling=tiling,
                                                             summary_dtype=summary, deferred_layers=deferred,
                                                             attention_splits=splits, gemm_sm_carveout=carveout,
                                                             attention_stages=stages, fused_merge=merge == "fused",
-                                                            stages_fork=fork, tma_stages=tma))
+                                                            stages_fork=fork, tma_stages=tma,
+                                                            transfer_priority=priority))
                         if args.no_prefetch_run:
                             record(bench.run_sparse(batch, context, prefetch=False))
                         if args.stage_ablation:
@@ -556,7 +567,8 @@ def print_row(r: dict) -> None:
           f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}"
           f"{' fused-merge' if sp and r.get('attention_merge') == 'fused' else ''}"
           f"{' fork ' + r['stages_fork'] if sp and r.get('stages_fork', 'attention') != 'attention' else ''}"
-          f"{' tma ' + str(r['transfer_tma_stages']) if sp and r.get('transfer_tma_stages') else ''}",
+          f"{' tma ' + str(r['transfer_tma_stages']) if sp and r.get('transfer_tma_stages') else ''}"
+          f"{' transfer-priority high' if sp and r.get('transfer_priority') == 'high' else ''}",
           flush=True)
 
 

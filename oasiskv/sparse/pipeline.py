@@ -84,6 +84,13 @@ ATTENTION_FUSED_MERGE = False
 # 38 GB/s, where 8 load-unit programs reach 45.8: the batch 16 step took 9.04 / 9.29 ms with 8
 # TMA programs against 7.75 / 7.69 (16K / 32K; docs/benchmarks.md, sixth session), so off.
 TRANSFER_TMA_STAGES = 0
+# The transfer stream's priority (torch's scale: 0 the default, lower is higher). At 16K the
+# transfer's chain bounds the step: its 36 fetch launches are busy 6.7-6.9 ms of a 7.5 ms step,
+# and each starts more than 2 µs after its plan is ready, ~19 µs after the one before it ends
+# (docs/benchmarks.md, seventh session, item 4). With two attention splits the foreground got
+# faster and the step waited that much longer at the join. A higher priority lets the fetch's
+# programs take SMs first as they free up. Not measured on the GPU yet, so 0.
+TRANSFER_PRIORITY = 0
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
 # the o_proj GEMM, or after the MLP. Forked at the attention, the bounds scan's programs and
@@ -117,11 +124,11 @@ class LookaheadPipeline:
     def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, host: HostKVPool,
                  max_rows: int, max_blocks: int, summary_blocks: int, block_size: int, *,
                  background: bool | None = None, transfer_programs: int = DEFAULT_PROGRAMS,
-                 transfer_backend: str = "uva"):
+                 transfer_backend: str = "uva", transfer_priority: int = TRANSFER_PRIORITY):
         """kv: [L, num_slots, 2, block_size, D], the engine's page pool; max_blocks: blocks of
         the longest request (the width of the score buffer, fixed per graph); summary_blocks:
         blocks of summaries to hold across all rows; background: run the stages on side streams
-        (default: on CUDA)."""
+        (default: on CUDA); transfer_priority: the transfer stream's (TRANSFER_PRIORITY)."""
         mc = model_config
         self.cfg, self.kv, self.host, self.bs = cfg, kv, host, block_size
         self.L, self.H, self.D, self.G = mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.group_size
@@ -180,8 +187,10 @@ class LookaheadPipeline:
         self.admit_slots = torch.full((L, R * H, self.C), -1, **i32)
         self.host_items = device_view(host.items, dev) if dev.type == "cuda" else host.items
         self.background = dev.type == "cuda" if background is None else background
-        if self.background:
-            self.streams = [torch.cuda.Stream(dev) for _ in range(3)]  # predict, select, transfer
+        self.transfer_priority = transfer_priority
+        if self.background:  # predict, select, transfer (graph nodes keep their stream's priority)
+            self.streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev),
+                            torch.cuda.Stream(dev, priority=transfer_priority)]
         self.timing = None  # PipelineTiming when step timing is on
         self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
         self.stages = 3  # < 3: only the first stages run (predict; predict + select): benchmarks only
