@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -11,6 +11,16 @@ from oasiskv.bench.decode import add_decode_args, run_decode_bench
 from oasiskv.entrypoints.args import add_engine_args
 p = argparse.ArgumentParser(); add_decode_args(p); add_engine_args(p)
 sys.exit(run_decode_bench(p.parse_args(sys.argv[1:])))" --model qwen3-8b --load-format dummy --host-kv-gb 92 "$@"
+}
+profiles_16k() {  # each argument "NAME FLAGS...": one 16K profile (gpu_profile_sparse.py) with those flags
+  for run in "$@"; do
+    set -- $run
+    name=$1; shift
+    python3 scripts/gpu_profile_sparse.py --context 16384 --summary-dtype fp8 "$@" > "$OUT/profile_16k_$name.log" 2>&1
+    mv "$OUT/sparse_profile.json" "$OUT/sparse_profile_16k_$name.json"
+    rm -f "$OUT"/trace_*
+    echo "== $name"; grep -A10 "beside them\|step_ms\|transfer busy" "$OUT/profile_16k_$name.log"
+  done
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 free -g | head -2
@@ -127,14 +137,7 @@ beside)  # measured 2026-12-02, eighth session (~4 min): the working-set attenti
     --transfer-programs 4,8 --attention-stages 3,5 --output-json "$OUT/decode_b16_beside.json" 2>&1 | tee "$OUT/decode_b16_beside.log"
   ;;
 company)  # measured 2026-12-02, eighth session (~2.5 min): what runs beside the attention in the 16K step, 5 stages then 3
-  for run in "stages5 --modes fg,sparse --attention-stages 5" "stages3 --modes sparse"; do
-    set -- $run
-    name=$1; shift
-    python3 scripts/gpu_profile_sparse.py --context 16384 --summary-dtype fp8 "$@" > "$OUT/profile_16k_$name.log" 2>&1
-    mv "$OUT/sparse_profile.json" "$OUT/sparse_profile_16k_$name.json"
-    rm -f "$OUT"/trace_*
-    echo "== $name"; grep -A10 "beside them\|step_ms" "$OUT/profile_16k_$name.log"
-  done
+  profiles_16k "stages5 --modes fg,sparse --attention-stages 5" "stages3 --modes sparse"
   ;;
 huge-pages)  # measured 2026-12-02, eighth session (~3 min): the host pool on 4 KiB base pages, then on 2 MiB huge pages: batch 16 fp8, a process each
   cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
@@ -152,6 +155,10 @@ mini-step)  # prepared in the eighth session, unmeasured (~3 min): the foregroun
       | grep -v "^(" | tee "$OUT/probe_mini_step_$name.log"
     rm -f "$OUT"/trace_mini_step_*
   done
+  ;;
+idle-priority)  # prepared in the ninth session, unmeasured (~3 min): the 16K profile with the transfer stream at high priority, then with the exclusive fetch too: do the transfer's ~19 µs gaps a launch shrink?
+  profiles_16k "high --modes sparse --transfer-priorities high" \
+    "high_exclusive --modes sparse --transfer-priorities high --transfer-programs 4:16:32 --attention-stages 5"
   ;;
 exclusive|exclusive-32k)  # prepared in the ninth session, unmeasured (~5 min each): the fetch on 4 programs that each hold a whole SM (16 items, 32 warps) against the default 8, 3 and 5 attention stages, the transfer stream at normal and high priority, batch 16 fp8, one process; `exclusive` first probes the attention beside both fetches at the step's footprint
   context=$([ "$1" = exclusive ] && echo 16384 || echo 32768)

@@ -8,6 +8,7 @@ what overlaps what).
 PYTHONPATH=. python3 scripts/gpu_profile_sparse.py [--context 32768] [--batch 16] [--modes dense,fg,sparse]
     [--attention-splits N] [--attention-stages N] [--attention-merges fused]   # the sparse runs' decode kernel
     [--stage-forks o_proj] [--transfer-tma-stages N]                           # and their pipeline
+    [--transfer-programs 4:16:32] [--transfer-priorities high]                 # (the first of each list)
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def main():
                                    attention_stages=first(a.attention_stages),
                                    fused_merge=a.attention_merges.split(",")[0] == "fused",
                                    stages_fork=a.stage_forks.split(",")[0] if a.stage_forks else None,
-                                   tma_stages=first(a.transfer_tma_stages))
+                                   tma_stages=first(a.transfer_tma_stages),
+                                   transfer_priority=a.transfer_priorities.split(",")[0])
         results[bench.label] = res
         print(json.dumps({k: res.get(k) for k in ("mode", "step_ms", "output_tok_s", "roofline_fraction",
                                                  "stall_fraction", "foreground_ms")}), flush=True)
