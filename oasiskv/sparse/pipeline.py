@@ -88,8 +88,8 @@ TRANSFER_TMA_STAGES = 0
 # transfer's chain bounds the step: its 36 fetch launches are busy 6.7-6.9 ms of a 7.5 ms step,
 # and each starts more than 2 µs after its plan is ready, ~19 µs after the one before it ends
 # (docs/benchmarks.md, seventh session, item 4). With two attention splits the foreground got
-# faster and the step waited that much longer at the join. A higher priority lets the fetch's
-# programs take SMs first as they free up. Not measured on the GPU yet, so 0.
+# faster and the step waited at the join instead (ninth session, item 5). A higher priority
+# lets the fetch's programs take SMs first as they free up. Not measured on the GPU yet: 0.
 TRANSFER_PRIORITY = 0
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
