@@ -42,16 +42,21 @@ ALIGNED = {"sq_b", "sq_q", "sq_h", "skv_slot", "skv_kv", "skv_tok", "skn_b", "sk
            "svn_b", "svn_q", "svn_h", "so_b", "so_q", "so_h"}
 
 
+def compile_sm90(kernel, pointers: dict, const: dict, aligned: set, **options):
+    """`kernel` compiled for sm_90: pointers (name: type) and the `aligned` ints divisible by 16,
+    `const` its constexprs, the other ints i32 (qk_scale fp32)."""
+    names = kernel.arg_names
+    sig = {n: pointers.get(n) or ("constexpr" if n in const else "fp32" if n == "qk_scale" else "i32")
+           for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in aligned}
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs={(names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=SM90, options=options)
+
+
 def compile_kernel(tile_blocks: int, num_warps: int, num_stages: int, single: bool = True):
-    names = _decode_split_kernel.arg_names
     const = dict(G=4, Q=2, D=128, BS=16, M=16, TILE_BLKS=tile_blocks, UPCAST=False, PRECISION="tf32",
                  SINGLE=single, FUSED_MERGE=False, MS=8, SC=1)
-    sig = {n: POINTERS.get(n) or ("constexpr" if n in const else "fp32" if n == "qk_scale" else "i32")
-           for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in POINTERS or n in ALIGNED}
-    src = ASTSource(fn=_decode_split_kernel, signature=sig, attrs=attrs,
-                    constexprs={(names.index(n),): v for n, v in const.items()})
-    return triton.compile(src, target=SM90, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return compile_sm90(_decode_split_kernel, POINTERS, const, ALIGNED, num_warps=num_warps, num_stages=num_stages)
 
 
 def registers(ptx: str) -> int:
@@ -81,15 +86,9 @@ def inspect(tile_blocks: int, num_warps: int, num_stages: int) -> dict:
 
 def inspect_fetch(items: int, num_warps: int) -> dict:
     """Registers, threads and shared memory of one fetch program (8 KiB bf16 items)."""
-    names = _fetch_kernel.arg_names
     pointers = {"host_ptr": "*bf16", "kv_ptr": "*bf16", "blk_ptr": "*i32", "slot_ptr": "*i32", "pages_ptr": "*i32",
                 "ext_start_ptr": "*i64", "ext_blocks_ptr": "*i64"}
-    const = dict(ITEM=4096, ITEMP=4096, ITEMS=items)
-    sig = {n: pointers.get(n) or ("constexpr" if n in const else "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers}
-    src = ASTSource(fn=_fetch_kernel, signature=sig, attrs=attrs,
-                    constexprs={(names.index(n),): v for n, v in const.items()})
-    k = triton.compile(src, target=SM90, options=dict(num_warps=num_warps))
+    k = compile_sm90(_fetch_kernel, pointers, dict(ITEM=4096, ITEMP=4096, ITEMS=items), set(), num_warps=num_warps)
     return {"items": items, "num_warps": num_warps, "registers": registers(k.asm["ptx"]),
             "threads": 32 * num_warps, "shared_kb": round(k.metadata.shared / 1024)}
 

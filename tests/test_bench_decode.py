@@ -65,8 +65,8 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     nothing, and neither counts in the speedups. The transfer and bounds-kernel knobs are
     recorded per run; --summary-dtypes runs sparse once per summary dtype (fp8: a quarter of
     float32's summary bytes). --attention-splits, --attention-stages, --attention-merges,
-    --stage-forks, --transfer-tma-stages and --transfer-priorities are recorded (CPU attention has none of them; CPU
-    stages run in-line, and the CPU transfer is torch indexing)."""
+    --stage-forks, --transfer-tma-stages and --transfer-priorities are recorded (CPU attention
+    has none of them; CPU stages run in-line, and the CPU transfer is torch indexing)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
                     "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
                     "--attention-splits", "1", "--attention-stages", "5", "--attention-merges", "fused",
