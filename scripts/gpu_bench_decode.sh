@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|acceptance|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -168,6 +168,13 @@ exclusive|exclusive-32k)  # prepared in the ninth session, unmeasured (~5 min ea
   bench --sweep --batch-sizes 16 --context-lens $context --steps 32 --summary-dtypes fp8 \
     --transfer-programs 8,4:16:32 --attention-stages 3,5 --transfer-priorities normal,high \
     --output-json "$OUT/decode_b16_exclusive_$context.json" 2>&1 | tee "$OUT/decode_b16_exclusive_$context.log"
+  ;;
+whole-sm)  # the tenth session's new defaults (the fetch on 4 whole SMs, 5 attention stages): engine tokens, then batch 16 around them (5 programs, GEMM carve-out 4, high priority), then the 16K profile (~7 min)
+  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
+    --transfer-programs auto,5:16:32 --gemm-sm-carveouts 8,4 --transfer-priorities normal,high \
+    --output-json "$OUT/decode_b16_whole_sm.json" 2>&1 | tee "$OUT/decode_b16_whole_sm.log"
+  profiles_16k "whole_sm --modes fg,sparse"
   ;;
 acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

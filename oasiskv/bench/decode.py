@@ -37,9 +37,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["dense", "sparse", "both"], default="both")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--transfer-programs", default="8",
+    p.add_argument("--transfer-programs", default="auto",
                    help="programs (≈ SMs) of the host->GPU gather kernel, optionally :items each has in flight "
-                        "(default 4) and :warps (default 8); a comma list runs sparse once per value")
+                        "and :warps, e.g. 8:4:8 (auto: the pipeline's, 4:16:32); a comma list runs sparse once "
+                        "per value")
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
@@ -215,7 +216,7 @@ class DecodeBench:
                                     f"host pool holds {host.num_items * host.item_bytes / 2**30:.0f} GiB")
             p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb,
                                   summary_blocks=batch * nb, block_size=bs,
-                                  transfer_programs=programs,
+                                  **({"transfer_programs": programs} if programs else {}),
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0],
                                   transfer_priority=TRANSFER_PRIORITIES[transfer_priority])
             p.transfer_items = items or p.transfer_items
@@ -247,7 +248,8 @@ class DecodeBench:
             p.timing = PipelineTiming(mc.num_layers) if use_graph else None
             if gemm_sm_carveout is not None:
                 p.gemm_sm_carveout = gemm_sm_carveout
-            p.attention_stages = attention_stages
+            if attention_stages is not None:
+                p.attention_stages = attention_stages
             p.attention_fused_merge = fused_merge
             p.stages_fork = stages_fork or p.stages_fork
             if tma_stages is not None:
@@ -395,8 +397,11 @@ class DecodeBench:
         return out
 
 
-def transfer_spec(text: str) -> tuple[int, int | None, int | None]:
-    """--transfer-programs value P[:ITEMS[:WARPS]] -> (programs, items or None, warps or None)."""
+def transfer_spec(text: str) -> tuple[int | None, int | None, int | None]:
+    """--transfer-programs value P[:ITEMS[:WARPS]] -> (programs, items or None, warps or None);
+    "auto" -> all None (the pipeline's)."""
+    if text == "auto":
+        return None, None, None
     try:
         parts = [int(x) for x in text.split(":")]
     except ValueError:

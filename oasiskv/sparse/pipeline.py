@@ -35,8 +35,7 @@ import contextlib
 
 import torch
 
-from oasiskv.kernels.copy_items import (DEFAULT_PROGRAMS, ITEMS_PER_LOAD, NUM_WARPS, device_view,
-                                        fetch_admitted, write_through)
+from oasiskv.kernels.copy_items import device_view, fetch_admitted, write_through
 from oasiskv.kernels.qkv_epilogue import SummaryFold
 from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
@@ -72,6 +71,19 @@ BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
 # 8.15 ms at 32K against cuBLASLt without the carve-out (cuBLAS, the process before: 8.00 and
 # 8.32 ms), the stall under 1% (docs/benchmarks.md).
 GEMM_SM_CARVEOUT = 8
+# The transfer kernel's grid: 4 programs, each with 16 items in flight and 32 warps. A program
+# then takes a whole SM's register file (64 registers x 1,024 threads), so no foreground program
+# shares an SM with it: beside the default 8 programs of 4 items and 8 warps, which fit next
+# to an attention program, the 5-stage working-set attention slowed from 39.4 to 46.9 µs a
+# layer, beside these 4 only to 42.1 (48.5 against 49.1 GB/s alone). In one H200 process at
+# batch 16 the step went 7.64 -> 7.03 ms at 16K and 7.78 -> 7.37 ms at 32K with 5 attention
+# stages, 7.44 -> 7.23 and 7.66 -> 7.64 with 3 (docs/benchmarks.md, tenth session).
+TRANSFER_PROGRAMS, TRANSFER_ITEMS, TRANSFER_WARPS = 4, 16, 32
+# The working-set attention's software-pipeline stages: 5 keeps two K/V tiles in flight
+# (~137 KB of shared memory a program at head_dim 128 and 4 query heads a kv head, so only
+# where an SM offers ~200 KB: Hopper). Alone it is faster than 3 (39.4 against 49.4 µs a layer
+# at batch 16), and with the fetch on whole SMs (above) the step is too.
+WORKING_SET_STAGES, WORKING_SET_STAGES_SMEM = 5, 200 * 1024
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 # With splits, the working-set attention's last split program of each (request, kv head) merges
 # them, instead of a merge launch (`paged_decode_triton`'s fused_merge). Measured on the H200:
@@ -120,10 +132,19 @@ def stages_fork(max_blocks: int) -> str:
     return "o_proj" if max_blocks >= LONG_SCAN_BLOCKS else "attention"
 
 
+def working_set_stages(device: torch.device) -> int | None:
+    """WORKING_SET_STAGES where the device's SMs have the shared memory for them, else None (the
+    decode kernel's default)."""
+    if device.type != "cuda":
+        return None
+    smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    return WORKING_SET_STAGES if smem >= WORKING_SET_STAGES_SMEM else None
+
+
 class LookaheadPipeline:
     def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, host: HostKVPool,
                  max_rows: int, max_blocks: int, summary_blocks: int, block_size: int, *,
-                 background: bool | None = None, transfer_programs: int = DEFAULT_PROGRAMS,
+                 background: bool | None = None, transfer_programs: int = TRANSFER_PROGRAMS,
                  transfer_backend: str = "uva", transfer_priority: int = TRANSFER_PRIORITY):
         """kv: [L, num_slots, 2, block_size, D], the engine's page pool; max_blocks: blocks of
         the longest request (the width of the score buffer, fixed per graph); summary_blocks:
@@ -139,20 +160,20 @@ class LookaheadPipeline:
         self.max_blocks = max_blocks
         self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
         self.transfer_programs = transfer_programs
-        self.transfer_items = ITEMS_PER_LOAD  # items each transfer program has in flight
-        self.transfer_warps = NUM_WARPS  # warps of each transfer program
+        self.transfer_items = TRANSFER_ITEMS  # items each transfer program has in flight
+        self.transfer_warps = TRANSFER_WARPS  # warps of each transfer program
         self.transfer_tma_stages = TRANSFER_TMA_STAGES  # > 0: the transfer loads through TMA
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
         self.attention_splits = WORKING_SET_SPLITS  # None: the kernel's choice
-        self.attention_stages = None  # the decode kernel's pipeline stages; None: its default
         self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
         self.stages_fork = stages_fork(max_blocks)  # the part of a layer after which its stages start
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
+        self.attention_stages = working_set_stages(dev)  # the decode kernel's pipeline stages; None: its default
         L, R, H, K = self.L, self.R, self.H, self.K
         i32 = dict(dtype=torch.int32, device=dev)
         self.pages = torch.zeros(R, self.P, **i32)
