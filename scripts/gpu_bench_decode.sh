@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|acceptance|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|tenth|acceptance|acceptance-runs|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -176,8 +176,17 @@ whole-sm)  # the tenth session's new defaults (the fetch on 4 whole SMs, 5 atten
     --output-json "$OUT/decode_b16_whole_sm.json" 2>&1 | tee "$OUT/decode_b16_whole_sm.log"
   profiles_16k "whole_sm --modes fg,sparse"
   ;;
-acceptance)  # issue 4's points: engine tokens, batch 16 at 32K and 16K with the ablation, then capacity on its own
-  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+tenth)  # the tenth session's last call (~6 min): engine tokens in fp32 and bf16 (fp8 summaries), 16K around the new defaults (the fork, deferred layers, the bounds tiling), then acceptance
+  for check in "--dtype float32" "--summary-dtype fp8"; do
+    python3 scripts/gpu_check_sparse_engine.py $check 2>&1 | tail -3 | tee -a "$OUT/check_sparse_engine.log"
+  done
+  bench --sweep --batch-sizes 16 --context-lens 16384 --steps 32 --summary-dtypes fp8 --stage-forks attention,o_proj \
+    --deferred-layers 2,3 --bounds-tiling auto,64:8:3 --output-json "$OUT/decode_b16_16k_tenth.json" 2>&1 \
+    | tee "$OUT/decode_b16_16k_tenth.log"
+  bash "$0" acceptance-runs
+  ;;
+acceptance|acceptance-runs)  # issue 4's points: engine tokens (not in acceptance-runs), batch 16 at 32K and 16K with the ablation, then capacity on its own
+  [ "$1" = acceptance ] && python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
   bench --sweep --batch-sizes 16 --context-lens 32768,16384 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --fetch-ablation --batch-size 16 --context-len 32768 --output-json "$OUT/decode_acceptance.json" 2>&1 | tee "$OUT/decode_acceptance.log"
   bench --gpu-kv-gb 24 --context-len 32768 --steps 32 --summary-dtypes fp8 --output-json "$OUT/decode_capacity.json" \

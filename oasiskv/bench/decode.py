@@ -63,9 +63,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-forks", default=None,
                    help="comma list of attention / o_proj / mlp: the part of each layer after which the "
                         "pipeline's stages start on their streams (default: the pipeline's, from the context)")
-    p.add_argument("--transfer-priorities", default="normal",
+    p.add_argument("--transfer-priorities", default="auto",
                    help="comma list of normal / high: the sparse pipeline's transfer stream at the default "
-                        "priority, or at a higher one so the fetch's programs take SMs first")
+                        "priority, or at a higher one so the fetch's programs take SMs first (auto: the "
+                        "pipeline's TRANSFER_PRIORITY, high)")
     p.add_argument("--transfer-tma-stages", default=None,
                    help="comma list: 0 = the transfer kernel loads through the SMs' load units, N > 0 = "
                         "through TMA, N deep (default: the pipeline's TRANSFER_TMA_STAGES)")
@@ -195,7 +196,7 @@ class DecodeBench:
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
                    attention_stages: int | None = None, fused_merge: bool = False,
                    stages_fork: str | None = None, tma_stages: int | None = None,
-                   transfer_priority: str = "normal") -> dict:
+                   transfer_priority: str = "auto") -> dict:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -218,7 +219,8 @@ class DecodeBench:
                                   summary_blocks=batch * nb, block_size=bs,
                                   **({"transfer_programs": programs} if programs else {}),
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0],
-                                  transfer_priority=TRANSFER_PRIORITIES[transfer_priority])
+                                  **({"transfer_priority": TRANSFER_PRIORITIES[transfer_priority]}
+                                     if transfer_priority != "auto" else {}))
             p.transfer_items = items or p.transfer_items
             p.transfer_warps = warps or p.transfer_warps
             p.prefetch = prefetch
@@ -293,7 +295,8 @@ class DecodeBench:
                        gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
                        attention_merge="fused" if p.attention_fused_merge else "launch",
                        stages_fork=p.stages_fork, transfer_tma_stages=p.transfer_tma_stages,
-                       transfer_priority=transfer_priority,
+                       transfer_priority=next((name for name, value in TRANSFER_PRIORITIES.items()
+                                               if value == p.transfer_priority), str(p.transfer_priority)),
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
             if p.timing is not None and prefetch:
@@ -442,8 +445,9 @@ def run_decode_bench(args) -> int:
     from oasiskv.sparse.pipeline import STAGE_FORKS
     if args.stage_forks and set(args.stage_forks.split(",")) - set(STAGE_FORKS):
         raise ValueError(f"--stage-forks takes {' / '.join(STAGE_FORKS)}, not {args.stage_forks!r}")
-    if set(args.transfer_priorities.split(",")) - set(TRANSFER_PRIORITIES):
-        raise ValueError(f"--transfer-priorities takes {' / '.join(TRANSFER_PRIORITIES)}, not {args.transfer_priorities!r}")
+    if set(args.transfer_priorities.split(",")) - set(TRANSFER_PRIORITIES) - {"auto"}:
+        raise ValueError(f"--transfer-priorities takes auto / {' / '.join(TRANSFER_PRIORITIES)}, "
+                         f"not {args.transfer_priorities!r}")
     if args.transfer_tma_stages and any(n < 0 for n in _ints(args.transfer_tma_stages)):
         raise ValueError(f"--transfer-tma-stages takes counts >= 0, not {args.transfer_tma_stages!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):

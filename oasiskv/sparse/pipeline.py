@@ -101,8 +101,11 @@ TRANSFER_TMA_STAGES = 0
 # and each starts more than 2 µs after its plan is ready, ~19 µs after the one before it ends
 # (docs/benchmarks.md, seventh session, item 4). With two attention splits the foreground got
 # faster and the step waited at the join instead (ninth session, item 5). A higher priority
-# lets the fetch's programs take SMs first as they free up. Not measured on the GPU yet: 0.
-TRANSFER_PRIORITY = 0
+# lets the fetch's programs take SMs first as they free up. With the fetch on whole SMs
+# (TRANSFER_PROGRAMS) the step was 0.02-0.04 ms faster at high priority in 4 of 4 same-process
+# pairs on one H200 (16K 7.03 -> 7.01 and 7.08 -> 7.06 ms, 32K 7.37 -> 7.35 and 7.32 -> 7.29;
+# docs/benchmarks.md, tenth session): small, but every time, so -1.
+TRANSFER_PRIORITY = -1
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
 # the o_proj GEMM, or after the MLP. Forked at the attention, the bounds scan's programs and
