@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|tenth|acceptance|acceptance-runs|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|tenth|confirm|acceptance|acceptance-runs|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -184,6 +184,12 @@ tenth)  # the tenth session's last call (~6 min): engine tokens in fp32 and bf16
     --deferred-layers 2,3 --bounds-tiling auto,64:8:3 --output-json "$OUT/decode_b16_16k_tenth.json" 2>&1 \
     | tee "$OUT/decode_b16_16k_tenth.log"
   bash "$0" acceptance-runs
+  ;;
+confirm)  # the tenth session's check of the 16K o_proj fork as the default (~5 min): engine tokens under that fork, acceptance, then batch 16 again in a process of its own
+  python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --stages-fork o_proj 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+  bash "$0" acceptance-runs
+  bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
+    --output-json "$OUT/decode_b16_repeat.json" 2>&1 | tee "$OUT/decode_b16_repeat.log"
   ;;
 acceptance|acceptance-runs)  # issue 4's points: engine tokens (not in acceptance-runs), batch 16 at 32K and 16K with the ablation, then capacity on its own
   [ "$1" = acceptance ] && python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

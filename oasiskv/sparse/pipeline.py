@@ -53,11 +53,15 @@ TRANSFER_BACKENDS = ("uva", "dma")
 # 0.10 ms slower in the eighth (docs/benchmarks.md). The in-line path uses it too when only
 # working sets are in a batch.
 WORKING_SET_SPLITS = 1
-# From this many blocks (24K tokens) a layer's bounds scan is long enough that its stages
+# From this many blocks (16K tokens) a layer's bounds scan is long enough that its stages
 # fork after o_proj (`stages_fork`). Until 2026-12-01 the pipelined step took two attention
 # splits from here instead, with the fork after the attention; with the o_proj fork one split
 # was faster at 32K too (7.77 / 7.78 against 7.85-7.93 ms with two, in one H200 process).
-LONG_SCAN_BLOCKS = 1536
+# From 24K (1536 blocks) until the fetch moved onto whole SMs (TRANSFER_PROGRAMS); then the
+# o_proj fork was faster at 16K too, in 4 of 4 same-process pairs on one H200 (7.01 / 7.01 /
+# 6.97 / 7.01 against 7.09 / 7.09 / 7.07 / 7.08 ms; docs/benchmarks.md, tenth session).
+# Shorter requests were not measured with it, and keep the attention fork.
+LONG_SCAN_BLOCKS = 1024
 # The bounds kernel (the prediction's scan of the summaries): 64 blocks a tile, 3 load stages,
 # and about 3 programs per (request, kv head), whatever the context. In one H200 call at
 # batch 16 the step was fastest where the tiling gave 3 programs: 16K 64:8:3 (7.46 ms; 2
