@@ -160,7 +160,7 @@ idle-priority)  # prepared in the ninth session, unmeasured (~3 min): the 16K pr
   profiles_16k "high --modes sparse --transfer-priorities high" \
     "high_exclusive --modes sparse --transfer-priorities high --transfer-programs 4:16:32 --attention-stages 5"
   ;;
-exclusive|exclusive-32k)  # prepared in the ninth session, unmeasured (~5 min each): the fetch on 4 programs that each hold a whole SM (16 items, 32 warps) against the default 8, 3 and 5 attention stages, the transfer stream at normal and high priority, batch 16 fp8, one process; `exclusive` first probes the attention beside both fetches at the step's footprint
+exclusive|exclusive-32k)  # measured 2026-12-02, tenth session (~2 and ~1 min): the fetch on 4 programs that each hold a whole SM (16 items, 32 warps) against the then default 8, 3 and 5 attention stages, the transfer stream at normal and high priority, batch 16 fp8, one process; `exclusive` first probes the attention beside both fetches at the step's footprint
   context=$([ "$1" = exclusive ] && echo 16384 || echo 32768)
   [ "$1" = exclusive ] && python3 scripts/gpu_probe_attention_beside.py --attention-buffers 36 --blocks 1024 \
     --transfers "uva 8,uva 4 w32" --json "$OUT/probe_attention_beside_exclusive.json" 2>&1 | grep -v "^(" \
@@ -169,14 +169,14 @@ exclusive|exclusive-32k)  # prepared in the ninth session, unmeasured (~5 min ea
     --transfer-programs 8,4:16:32 --attention-stages 3,5 --transfer-priorities normal,high \
     --output-json "$OUT/decode_b16_exclusive_$context.json" 2>&1 | tee "$OUT/decode_b16_exclusive_$context.log"
   ;;
-whole-sm)  # the tenth session's new defaults (the fetch on 4 whole SMs, 5 attention stages): engine tokens, then batch 16 around them (5 programs, GEMM carve-out 4, high priority), then the 16K profile (~7 min)
+whole-sm)  # measured 2026-12-02, tenth session: the new defaults (the fetch on 4 whole SMs, 5 attention stages): engine tokens, then batch 16 around them (5 programs, GEMM carve-out 4, high priority), then the 16K profile (~3 min)
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run \
     --transfer-programs auto,5:16:32 --gemm-sm-carveouts 8,4 --transfer-priorities normal,high \
     --output-json "$OUT/decode_b16_whole_sm.json" 2>&1 | tee "$OUT/decode_b16_whole_sm.log"
   profiles_16k "whole_sm --modes fg,sparse"
   ;;
-tenth)  # the tenth session's last call (~6 min): engine tokens in fp32 and bf16 (fp8 summaries), 16K around the new defaults (the fork, deferred layers, the bounds tiling), then acceptance
+tenth)  # measured 2026-12-02, tenth session (~5 min): engine tokens in fp32 and bf16 (fp8 summaries), 16K around the new defaults (the fork, deferred layers, the bounds tiling), then acceptance
   for check in "--dtype float32" "--summary-dtype fp8"; do
     python3 scripts/gpu_check_sparse_engine.py $check 2>&1 | tail -3 | tee -a "$OUT/check_sparse_engine.log"
   done
@@ -185,7 +185,7 @@ tenth)  # the tenth session's last call (~6 min): engine tokens in fp32 and bf16
     | tee "$OUT/decode_b16_16k_tenth.log"
   bash "$0" acceptance-runs
   ;;
-confirm)  # the tenth session's check of the 16K o_proj fork as the default (~5 min): engine tokens under that fork, acceptance, then batch 16 again in a process of its own
+confirm)  # measured 2026-12-02, tenth session: the check of the 16K o_proj fork as the default (~5 min): engine tokens under that fork, acceptance, then batch 16 again in a process of its own
   python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 --stages-fork o_proj 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
   bash "$0" acceptance-runs
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \

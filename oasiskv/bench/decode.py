@@ -39,8 +39,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--transfer-programs", default="auto",
                    help="programs (≈ SMs) of the host->GPU gather kernel, optionally :items each has in flight "
-                        "and :warps, e.g. 8:4:8 (auto: the pipeline's, 4:16:32); a comma list runs sparse once "
-                        "per value")
+                        "(default 4) and :warps (default 8) (auto: the pipeline's, 4:16:32); a comma list runs "
+                        "sparse once per value")
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
@@ -197,6 +197,7 @@ class DecodeBench:
                    attention_stages: int | None = None, fused_merge: bool = False,
                    stages_fork: str | None = None, tma_stages: int | None = None,
                    transfer_priority: str = "auto") -> dict:
+        from oasiskv.kernels.copy_items import ITEMS_PER_LOAD, NUM_WARPS
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
@@ -221,8 +222,8 @@ class DecodeBench:
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0],
                                   **({"transfer_priority": TRANSFER_PRIORITIES[transfer_priority]}
                                      if transfer_priority != "auto" else {}))
-            p.transfer_items = items or p.transfer_items
-            p.transfer_warps = warps or p.transfer_warps
+            if programs:  # P[:ITEMS[:WARPS]]: the kernel's own items and warps where not given
+                p.transfer_items, p.transfer_warps = items or ITEMS_PER_LOAD, warps or NUM_WARPS
             p.prefetch = prefetch
             p.stages = stages
             tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
