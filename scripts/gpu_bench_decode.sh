@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|tenth|confirm|acceptance|acceptance-runs|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|tenth|eleventh|confirm|acceptance|acceptance-runs|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -190,6 +190,16 @@ confirm)  # measured 2026-12-02, tenth session: the check of the 16K o_proj fork
   bash "$0" acceptance-runs
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
     --output-json "$OUT/decode_b16_repeat.json" 2>&1 | tee "$OUT/decode_b16_repeat.log"
+  ;;
+eleventh)  # 2026-12-02, eleventh session (~8 min): the one-warp eviction, the write-through by rows and the fetch's early addresses: kernel checks, engine tokens, then batch 16 of the tree before ($OLD) and of this one, each its own process, then this tree's 16K profile
+  stamp() { echo "== $(date +%T) $*"; }
+  stamp check_pipeline; python3 scripts/gpu_check_pipeline.py --json "$OUT/check_pipeline.json" 2>&1 | tail -30 | tee "$OUT/check_pipeline.log"
+  stamp engine; python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+  runs="--sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run"
+  stamp before; (cd "$OLD" && bench $runs --output-json "$OUT/decode_b16_before.json") 2>&1 | tee "$OUT/decode_b16_before.log"
+  stamp after; bench $runs --output-json "$OUT/decode_b16_after.json" 2>&1 | tee "$OUT/decode_b16_after.log"
+  stamp profile; profiles_16k "eleventh"
+  stamp done
   ;;
 acceptance|acceptance-runs)  # issue 4's points: engine tokens (not in acceptance-runs), batch 16 at 32K and 16K with the ablation, then capacity on its own
   [ "$1" = acceptance ] && python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"

@@ -21,7 +21,7 @@ sys.path.insert(0, "tests")
 from test_pipeline_kernels import random_eviction_inputs  # noqa: E402
 
 from oasiskv.kernels.copy_items import copy_items, device_view  # noqa: E402
-from oasiskv.sparse.capped_eviction import _capped_eviction_triton, capped_eviction_  # noqa: E402
+from oasiskv.sparse.capped_eviction import _capped_eviction_triton, capped_eviction_, eviction_marks  # noqa: E402
 from oasiskv.sparse.host_pool import HostKVPool  # noqa: E402
 
 dev = torch.device("cuda")
@@ -54,8 +54,11 @@ def check_eviction(results: dict) -> None:
         asl, st = torch.full_like(ab, -1), torch.zeros(R, 4, dtype=torch.long, device=dev)
         step_t = torch.tensor(9, dtype=torch.int32, device=dev)
         gp, gw = pred.to(dev), win.to(dev)
-        run = lambda: _capped_eviction_triton(g_res, g_last, gp, 1, gw, heads, cap, step_t, ab, asl, st)  # noqa: E731
+        marks = eviction_marks(R, blocks, dev)
+        run = lambda: _capped_eviction_triton(g_res, g_last, gp, 1, gw, heads, cap, step_t, ab, asl, st,  # noqa: E731
+                                              marks=marks)
         results[f"eviction R={R} K={K} C={cap} us"] = 1e3 * time_graph(run)
+        results[f"eviction R={R} K={K} C={cap} marks left"] = int((marks != -1).sum())
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:

@@ -1,6 +1,6 @@
 """The pipeline's Triton kernels against their torch forms, under TRITON_INTERPRET=1 (one
 subprocess runs this file as a script): the in-place capped eviction over several steps of
-random histories, the bounded-grid item copy (transfer / write-through), and the step's
+random histories (its block marks left all -1 by each call), the bounded-grid item copy (transfer / write-through), and the step's
 foreground tables (one launch) on random states. The GPU machine checks them again
 (scripts/gpu_check_pipeline.py; the step tables in scripts/gpu_check_kernels.py)."""
 import json
@@ -38,12 +38,13 @@ def random_eviction_inputs(reqs, heads, K, P, blocks, sinks, gen):
 
 def run_interpreter_cases() -> dict[str, float]:
     from oasiskv.kernels.copy_items import _copy_items_triton
-    from oasiskv.sparse.capped_eviction import _capped_eviction_triton, capped_eviction_
+    from oasiskv.sparse.capped_eviction import _capped_eviction_triton, capped_eviction_, eviction_marks
     errors = {}
     gen = torch.Generator().manual_seed(7)
     for name, (reqs, heads, K, P, blocks, cap, sinks) in EVICTION_CASES.items():
         res, last, pred, win = random_eviction_inputs(reqs, heads, K, P, blocks, sinks, gen)
         state = {impl: (res.clone(), last.clone()) for impl in ("torch", "triton", "triton_ranked", "torch_ranked")}
+        marks = eviction_marks(reqs * heads, blocks, torch.device("cpu"))  # the Triton runs' scratch, kept across steps
         mismatches = 0
         for step in range(1, 5):  # several steps: each starts from the state the last left
             if step > 1:
@@ -61,9 +62,11 @@ def run_interpreter_cases() -> dict[str, float]:
                 ab = torch.full((reqs * heads, cap), -1, dtype=torch.int32)
                 asl = torch.full_like(ab, -1)
                 stats = torch.zeros(reqs * heads, 4, dtype=torch.long)
+                extra = {"marks": marks} if impl.startswith("triton") else {}
                 fn(r, l, args[0], sinks, win, heads, cap, torch.tensor(step, dtype=torch.int32), ab, asl, stats,
-                   *args[1:])
+                   *args[1:], **extra)
                 outs[impl] = (r, l, ab, asl, stats)
+                mismatches += int((marks != -1).sum())  # every call leaves its marks as it found them
             for impl in ("triton", "triton_ranked", "torch_ranked"):
                 mismatches += sum(not torch.equal(a.long(), b.long()) for a, b in zip(outs["torch"], outs[impl]))
         errors["evict_" + name] = float(mismatches)
@@ -154,7 +157,7 @@ def run_sparse_copy_cases(gen) -> dict[str, float]:
     block = torch.tensor([4, 1, 0])
     want_h, got_h = host.clone(), host.clone()
     ci.write_through(kv, want_h, done, wslot, start, nblocks, block, H)
-    ci._write_through_kernel[(3,)](kv, got_h, done, wslot, start, nblocks, block, L * R * H, R, H, 40 * H,
+    ci._write_through_kernel[(2,)](kv, got_h, done, wslot, start, nblocks, block, L, R, H, 40 * H,
                                    ITEM=64, ITEMP=64, ITEMS=4)
     out["write_through"] = (got_h - want_h).abs().max().item()
     out["write_through_moved"] = float((want_h != host).any(-1).any(-1).any(-1).sum())

@@ -142,9 +142,11 @@ def write_through(kv: torch.Tensor, host: torch.Tensor, completed: torch.Tensor,
     L, num_slots = kv.shape[0], kv.shape[1]
     R = completed.shape[0]
     if kv.is_cuda and triton is not None:
-        n = L * R * num_heads
-        _launch(_write_through_kernel, n, num_programs, kv[0, 0].numel(), kv, host, completed, window_slot,
-                extent_start, extent_blocks, block, n, R, num_heads, num_slots)
+        if R:  # one program a row at most
+            item = kv[0, 0].numel()
+            _write_through_kernel[(min(num_programs, R),)](
+                kv, host, completed, window_slot, extent_start, extent_blocks, block, L, R, num_heads, num_slots,
+                ITEM=item, ITEMP=triton.next_power_of_2(item), ITEMS=ITEMS_PER_LOAD, num_warps=NUM_WARPS)
         return
     layer = torch.arange(L, device=kv.device)[:, None, None]
     h = torch.arange(num_heads, device=kv.device)[None, None, :]
@@ -175,28 +177,40 @@ if triton is not None:
     def _fetch_kernel(host_ptr, kv_ptr, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
                       layer, n, C, H, P, S,
                       ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
-        for i0 in range(tl.program_id(0) * ITEMS, n, tl.num_programs(0) * ITEMS):
-            w = i0 + tl.arange(0, ITEMS)
-            src, dst, ok = _admitted_item(w, n, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
-                                          layer, C, H, P, S)
-            _move(host_ptr, kv_ptr, src, dst, ok, ITEM, ITEMP)
+        # The next iteration's addresses (three dependent reads of the plan) are read while this
+        # iteration's items cross PCIe, not after them: the loads go out in program order.
+        stride = tl.num_programs(0) * ITEMS
+        offs = tl.arange(0, ITEMP)
+        cols = (offs < ITEM)[None, :]
+        src, dst, ok = _admitted_item(tl.program_id(0) * ITEMS + tl.arange(0, ITEMS), n, blk_ptr, slot_ptr,
+                                      pages_ptr, ext_start_ptr, ext_blocks_ptr, layer, C, H, P, S)
+        for i0 in range(tl.program_id(0) * ITEMS, n, stride):
+            m = ok[:, None] & cols
+            x = tl.load(host_ptr + src[:, None] * ITEM + offs[None, :], mask=m)
+            next_src, next_dst, next_ok = _admitted_item(i0 + stride + tl.arange(0, ITEMS), n, blk_ptr, slot_ptr,
+                                                         pages_ptr, ext_start_ptr, ext_blocks_ptr, layer, C, H, P, S)
+            tl.store(kv_ptr + dst[:, None] * ITEM + offs[None, :], x, mask=m)
+            src, dst, ok = next_src, next_dst, next_ok
 
     @triton.jit
     def _write_through_kernel(kv_ptr, host_ptr, done_ptr, wslot_ptr, ext_start_ptr, ext_blocks_ptr,
-                              block_ptr, n, R, H, num_slots,
+                              block_ptr, L, R, H, num_slots,
                               ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
-        for i0 in range(tl.program_id(0) * ITEMS, n, tl.num_programs(0) * ITEMS):
-            w = i0 + tl.arange(0, ITEMS)
-            layer = (w // (R * H)).to(tl.int64)
-            r = (w // H) % R
-            h = (w % H).to(tl.int64)
-            ok = (w < n) & (tl.load(done_ptr + r, mask=w < n, other=0) != 0)
-            wslot = tl.load(wslot_ptr + r, mask=ok, other=0).to(tl.int64)
-            start = tl.load(ext_start_ptr + r, mask=ok, other=0)
-            nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
-            blk = tl.load(block_ptr + r, mask=ok, other=0).to(tl.int64)
-            _move(kv_ptr, host_ptr, layer * num_slots + wslot + h, start + (layer * nblk + blk) * H + h,
-                  ok, ITEM, ITEMP)
+        # Row by row, and a row only if its token completed a block: most steps complete none,
+        # and a loop over every (layer, row, head) that skips them took ~0.2 ms a step on the
+        # H200 at batch 16 (36 layers, 8 heads, 4 programs).
+        for r in range(tl.program_id(0), R, tl.num_programs(0)):
+            if tl.load(done_ptr + r) != 0:
+                wslot = tl.load(wslot_ptr + r).to(tl.int64)
+                start = tl.load(ext_start_ptr + r)
+                nblk = tl.load(ext_blocks_ptr + r)
+                blk = tl.load(block_ptr + r).to(tl.int64)
+                for j0 in range(0, L * H, ITEMS):
+                    j = j0 + tl.arange(0, ITEMS)
+                    layer = (j // H).to(tl.int64)
+                    h = (j % H).to(tl.int64)
+                    _move(kv_ptr, host_ptr, layer * num_slots + wslot + h, start + (layer * nblk + blk) * H + h,
+                          j < L * H, ITEM, ITEMP)
 
 
 # ------------------------------------------------------------------ the transfer through TMA

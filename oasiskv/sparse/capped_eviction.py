@@ -130,7 +130,8 @@ STAT_HITS, STAT_MISSED, STAT_ADMITTED, STAT_EVICTED = range(4)
 def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predicted: torch.Tensor,
                      num_sink: int, window_start: torch.Tensor, num_heads: int, cap: int,
                      step: torch.Tensor, admit_blocks: torch.Tensor, admit_slots: torch.Tensor,
-                     stats: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+                     stats: torch.Tensor, scores: torch.Tensor | None = None,
+                     marks: torch.Tensor | None = None) -> None:
     """The pipeline's form of `capped_eviction`: same policy, state updated in place.
 
     resident, last_selected: [R, K] int32 (rows = request * num_heads + head); predicted: [R, P]
@@ -141,10 +142,13 @@ def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predic
 
     On CUDA one Triton program per row does the whole policy in registers: the torch version
     takes ~40 launches and 0.2 ms per layer at R=128, K=128 (DESIGN §7 budget per layer is a
-    few tens of µs); elsewhere it is the torch version."""
+    few tens of µs); elsewhere it is the torch version. The kernel finds which predicted
+    blocks are resident through `marks` [>= R, W] int32, all -1 (`eviction_marks`), W above
+    every block id: it leaves them -1 again. Inside a captured graph pass them (without, they
+    are made here, which reads the largest block id: a sync)."""
     if resident.is_cuda and triton is not None:
         _capped_eviction_triton(resident, last_selected, predicted, num_sink, window_start,
-                                num_heads, cap, step, admit_blocks, admit_slots, stats, scores)
+                                num_heads, cap, step, admit_blocks, admit_slots, stats, scores, marks)
         return
     if scores is not None:  # best first; stable, so equal scores keep their order
         predicted = predicted.gather(1, scores.sort(dim=1, descending=True, stable=True).indices)
@@ -157,27 +161,47 @@ def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predic
     stats += torch.stack([plan.hits, plan.missed, plan.admitted, plan.evicted], 1).long()
 
 
+def eviction_marks(rows: int, max_blocks: int, device: torch.device) -> torch.Tensor:
+    """The scratch `capped_eviction_` looks blocks up in on CUDA: one row of -1 per row of the
+    state, one column per block id."""
+    return torch.full((rows, max_blocks), -1, dtype=torch.int32, device=device)
+
+
+# One warp a row while a row's vectors are this short: the policy is a chain of reductions over
+# K and P elements, and within one warp each is a few shuffles, with no shared memory or
+# barrier. With 4 warps and a [P, K] match matrix the kernel took 36 µs a layer in the 16K
+# step on the H200 (R = 128, K = P = 128; docs/benchmarks.md, eleventh session).
+EVICTION_ONE_WARP = 512
+
+
 def _capped_eviction_triton(resident, last_selected, predicted, num_sink, window_start, num_heads,
-                            cap, step, admit_blocks, admit_slots, stats, scores=None):
+                            cap, step, admit_blocks, admit_slots, stats, scores=None, marks=None):
     R, K = resident.shape
     P = predicted.shape[1]
     assert resident.dtype == last_selected.dtype == predicted.dtype == torch.int32
     assert resident.is_contiguous() and last_selected.is_contiguous() and predicted.is_contiguous()
     assert scores is None or (scores.shape == predicted.shape and scores.is_contiguous())
-    if R:
-        _capped_eviction_kernel[(R,)](
-            resident, last_selected, predicted, predicted if scores is None else scores, window_start,
-            step, admit_blocks, admit_slots, stats, num_heads, K, P, cap, num_sink,
-            KP=triton.next_power_of_2(K), PP=triton.next_power_of_2(P),
-            CP=triton.next_power_of_2(max(cap, 1)), RANKED=scores is not None, num_warps=4)
+    if not R:
+        return
+    if marks is None:
+        width = max(int(resident.max()), int(predicted.max()), 0) + 1
+        marks = eviction_marks(R, width, resident.device)
+    assert marks.dtype == torch.int32 and marks.is_contiguous() and marks.shape[0] >= R
+    KP, PP = triton.next_power_of_2(K), triton.next_power_of_2(P)
+    _capped_eviction_kernel[(R,)](
+        resident, last_selected, predicted, predicted if scores is None else scores, window_start,
+        step, admit_blocks, admit_slots, stats, marks, marks.shape[1], num_heads, K, P, cap, num_sink,
+        KP=KP, PP=PP, CP=triton.next_power_of_2(max(cap, 1)), RANKED=scores is not None,
+        num_warps=1 if max(KP, PP) <= EVICTION_ONE_WARP else 4)
 
 
 if triton is not None:
 
     @triton.jit
     def _capped_eviction_kernel(res_ptr, last_ptr, pred_ptr, score_ptr, win_ptr, step_ptr, admit_blk_ptr,
-                                admit_slot_ptr, stats_ptr, num_heads, K, P, cap, num_sink,
-                                KP: tl.constexpr, PP: tl.constexpr, CP: tl.constexpr, RANKED: tl.constexpr):
+                                admit_slot_ptr, stats_ptr, marks_ptr, marks_width, num_heads, K, P, cap,
+                                num_sink, KP: tl.constexpr, PP: tl.constexpr, CP: tl.constexpr,
+                                RANKED: tl.constexpr):
         row = tl.program_id(0)
         row64 = row.to(tl.int64)
         k = tl.arange(0, KP)
@@ -192,9 +216,23 @@ if triton is not None:
 
         valid = pred >= 0
         static = valid & ((pred < num_sink) | (pred >= win))
-        match = (pred[:, None] == res[None, :]) & valid[:, None] & (res >= 0)[None, :]
-        pred_resident = tl.max(match.to(tl.int32), axis=1) > 0  # [PP]
-        slot_hit = tl.max(match.to(tl.int32), axis=0) > 0  # [KP]
+        # Which predicted blocks are resident, and which slots hold a predicted block, through
+        # the row's marks (block id -> slot, all -1 at rest): the resident blocks write their
+        # slot, the predicted ones read it; then they write -2 and the slots read that back.
+        # A barrier between the writes and the reads; volatile reads, so none comes from before.
+        marks = marks_ptr + row64 * marks_width
+        held = (res >= 0) & (res < marks_width)
+        looked = valid & (pred < marks_width)
+        tl.store(marks + res, k, mask=held)
+        tl.debug_barrier()
+        pred_resident = tl.load(marks + pred, mask=looked, other=-1, volatile=True) >= 0  # [PP]
+        tl.debug_barrier()
+        tl.store(marks + pred, tl.full([PP], -2, tl.int32), mask=looked)
+        tl.debug_barrier()
+        slot_hit = tl.load(marks + res, mask=held, other=-1, volatile=True) == -2  # [KP]
+        tl.debug_barrier()
+        tl.store(marks + res, tl.full([KP], -1, tl.int32), mask=held)
+        tl.store(marks + pred, tl.full([PP], -1, tl.int32), mask=looked)
         cand = valid & (static == 0) & (pred_resident == 0)
         missed = tl.sum(cand.to(tl.int32), axis=0)
         hits = tl.sum(valid.to(tl.int32), axis=0) - missed

@@ -39,7 +39,7 @@ from oasiskv.kernels.copy_items import device_view, fetch_admitted, write_throug
 from oasiskv.kernels.qkv_epilogue import SummaryFold
 from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
-from oasiskv.sparse.capped_eviction import capped_eviction_
+from oasiskv.sparse.capped_eviction import capped_eviction_, eviction_marks
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import LOOKUP_WINDOW
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
@@ -213,6 +213,7 @@ class LookaheadPipeline:
         self.predicted_scores = torch.full((L, R * H, K), float("-inf"), device=dev)  # ...and its scores
         self.admit_blocks = torch.full((L, R * H, self.C), -1, **i32)
         self.admit_slots = torch.full((L, R * H, self.C), -1, **i32)
+        self.eviction_marks = eviction_marks(R * H, max_blocks, dev)  # the select's scratch, every layer's
         self.host_items = device_view(host.items, dev) if dev.type == "cuda" else host.items
         self.background = dev.type == "cuda" if background is None else background
         self.transfer_priority = transfer_priority
@@ -456,7 +457,7 @@ class LookaheadPipeline:
         capped_eviction_(self.resident[layer, :B * H], self.last[layer, :B * H], self.predicted[layer, :B * H],
                          self.S, self.next_window[:B], H, self.C, self.step, self.admit_blocks[layer, :B * H],
                          self.admit_slots[layer, :B * H], self.stats[:B * H],
-                         scores=self.predicted_scores[layer, :B * H])
+                         scores=self.predicted_scores[layer, :B * H], marks=self.eviction_marks)
 
     def transfer(self, layer: int) -> None:
         """Admitted items host -> their GPU slots (addresses computed in the copy kernel). With
