@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one H200, in one call: pipeline checks, then `bench decode` runs, JSON and logs to $OUT.
-#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|tenth|eleventh|confirm|acceptance|acceptance-runs|full]
+#   usage: bash scripts/gpu_bench_decode.sh [quick|b16|summaries|epilogue|deferred|before|after|stages|bounds|merge|forks|tma|sweeps|transfer-idle|beside|company|huge-pages|mini-step|exclusive|exclusive-32k|idle-priority|whole-sm|tenth|eleventh|eleventh-32k|confirm|acceptance|acceptance-runs|full]
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -191,15 +191,24 @@ confirm)  # measured 2026-12-02, tenth session: the check of the 16K o_proj fork
   bench --sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 \
     --output-json "$OUT/decode_b16_repeat.json" 2>&1 | tee "$OUT/decode_b16_repeat.log"
   ;;
-eleventh)  # 2026-12-02, eleventh session (~8 min): the one-warp eviction, the write-through by rows and the fetch's early addresses: kernel checks, engine tokens, then batch 16 of the tree before ($OLD) and of this one, each its own process, then this tree's 16K profile
+eleventh)  # measured 2026-12-02, eleventh session (~5 min): the one-warp eviction and the write-through by rows: kernel checks (ENGINE=1: engine tokens too), then batch 16 of the tree before ($OLD, e.g. `git archive 041e9ae oasiskv scripts`) and twice of this one, each its own process, then this tree's 16K profile
   stamp() { echo "== $(date +%T) $*"; }
-  stamp check_pipeline; python3 scripts/gpu_check_pipeline.py --json "$OUT/check_pipeline.json" 2>&1 | tail -30 | tee "$OUT/check_pipeline.log"
-  stamp engine; python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
+  stamp check_pipeline; python3 scripts/gpu_check_pipeline.py --json "$OUT/check_pipeline.json" 2>&1 | tail -30 | tee -a "$OUT/eleventh.log"
+  [ "${ENGINE:-0}" = 1 ] && python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee -a "$OUT/eleventh.log"
   runs="--sweep --batch-sizes 16 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --no-prefetch-run"
-  stamp before; (cd "$OLD" && bench $runs --output-json "$OUT/decode_b16_before.json") 2>&1 | tee "$OUT/decode_b16_before.log"
-  stamp after; bench $runs --output-json "$OUT/decode_b16_after.json" 2>&1 | tee "$OUT/decode_b16_after.log"
+  stamp before; (cd "$OLD" && bench $runs --output-json "$OUT/decode_b16_before.json") 2>&1 | tee -a "$OUT/eleventh.log"
+  stamp after; bench $runs --output-json "$OUT/decode_b16_after.json" 2>&1 | tee -a "$OUT/eleventh.log"
+  stamp again; bench $runs --output-json "$OUT/decode_b16_again.json" 2>&1 | tee -a "$OUT/eleventh.log"
   stamp profile; profiles_16k "eleventh"
   stamp done
+  ;;
+eleventh-32k)  # measured 2026-12-02, eleventh session (~4 min): the graph step against the in-line one, then 32K at batch 16 of the tree before ($OLD) and of this one, alternating, twice
+  python3 scripts/gpu_check_pipeline.py --checks graph_step 2>&1 | grep "graph step\|error"
+  runs="--sweep --batch-sizes 16 --context-lens 32768 --steps 32 --summary-dtypes fp8"
+  for i in 1 2; do
+    (cd "$OLD" && bench $runs --output-json "$OUT/decode_b16_32k_before_$i.json") 2>&1 | grep "^ dense\|^sparse\|x output"
+    bench $runs --output-json "$OUT/decode_b16_32k_after_$i.json" 2>&1 | grep "^ dense\|^sparse\|x output"
+  done
   ;;
 acceptance|acceptance-runs)  # issue 4's points: engine tokens (not in acceptance-runs), batch 16 at 32K and 16K with the ablation, then capacity on its own
   [ "$1" = acceptance ] && python3 scripts/gpu_check_sparse_engine.py --summary-dtype fp8 2>&1 | tail -3 | tee "$OUT/check_sparse_engine.log"
@@ -208,8 +217,8 @@ acceptance|acceptance-runs)  # issue 4's points: engine tokens (not in acceptanc
   bench --gpu-kv-gb 24 --context-len 32768 --steps 32 --summary-dtypes fp8 --output-json "$OUT/decode_capacity.json" \
     2>&1 | tee "$OUT/decode_capacity.log"
   ;;
-full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool)
-  bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --fetch-ablation \
+full)  # sweep, fetch-cap ablation and capacity in one process (one model load, one host pool; ~2 min, measured 2026-12-02)
+  bench --sweep --batch-sizes 1,4,16,32 --context-lens 16384,32768 --steps 32 --summary-dtypes fp8 --fetch-ablation \
     --batch-size 16 --context-len 32768 --gpu-kv-gb 24 --output-json "$OUT/decode_full.json" \
     --plot "$OUT/decode_sweep.png" 2>&1 | tee "$OUT/decode_full.log"
   ;;

@@ -5,6 +5,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from oasiskv.bench.decode import FETCH_RATIOS, add_decode_args, run_decode_bench
 from oasiskv.entrypoints.args import add_engine_args
@@ -137,3 +138,19 @@ def test_bench_decode_attention_knobs_reach_the_decode_kernel(tmp_path, monkeypa
     run_bench(tmp_path, "--mode", "sparse", "--context-len", "600", "--batch-size", "2",
               "--attention-splits", "2", "--attention-stages", "5", "--attention-merges", "fused")
     assert seen == {(2, 5, True)}
+
+
+def test_bench_decode_sparse_out_of_gpu_memory_is_a_row_that_does_not_fit(tmp_path, monkeypatch):
+    """The summaries live beside the GPU KV pool (on the H200, batch 32 at 16K ran out there): a
+    sweep reports that row as not fitting and goes on, and no host extent stays allocated."""
+    import oasiskv.sparse.pipeline as pipeline
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(pipeline, "LookaheadPipeline", out_of_memory)
+    res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2,1", "--context-lens", "600")
+    sparse = [r for r in res["runs"] if r["mode"] == "sparse"]
+    assert [r["fits"] for r in sparse] == [False, False]  # the sweep went on past the first
+    assert "beside the KV pool" in sparse[0]["why"]
+    assert [r["fits"] for r in res["runs"] if r["mode"] == "dense"] == [True, True]

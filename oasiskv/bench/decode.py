@@ -241,9 +241,10 @@ class DecodeBench:
             pick = torch.rand(mc.num_layers, batch * mc.num_kv_heads, choices, device=r.device).argsort(-1)
             p.resident.copy_((pick[..., :K] + S).int())
             p.last.zero_()
-            lo = torch.randn(p.kmin.shape, device=r.device)
-            p.kmin.copy_(lo)
-            p.kmax.copy_(lo + torch.randn_like(lo).abs())
+            for layer in range(mc.num_layers):  # a layer at a time: float32 noise for all would need 4x their bytes
+                lo = torch.randn(p.kmin[layer].shape, device=r.device)
+                p.kmin[layer].copy_(lo)
+                p.kmax[layer].copy_(lo + torch.randn_like(lo).abs())
             del lo
             p.cached.fill_(context - 1)
             p.active.fill_(True)
@@ -304,6 +305,9 @@ class DecodeBench:
                 res.update(self._stall(step, p.timing, res["step_ms"]))
             del step_fn, p
             return res
+        except torch.cuda.OutOfMemoryError:  # the summaries and the pipeline's buffers sit beside the KV pool
+            return self._no_fit("sparse", batch, context,
+                                "the summaries and pipeline buffers do not fit in the GPU memory beside the KV pool")
         finally:
             for i, e in enumerate(extents):
                 if e is not None:

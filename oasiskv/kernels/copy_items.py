@@ -177,20 +177,11 @@ if triton is not None:
     def _fetch_kernel(host_ptr, kv_ptr, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
                       layer, n, C, H, P, S,
                       ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
-        # The next iteration's addresses (three dependent reads of the plan) are read while this
-        # iteration's items cross PCIe, not after them: the loads go out in program order.
-        stride = tl.num_programs(0) * ITEMS
-        offs = tl.arange(0, ITEMP)
-        cols = (offs < ITEM)[None, :]
-        src, dst, ok = _admitted_item(tl.program_id(0) * ITEMS + tl.arange(0, ITEMS), n, blk_ptr, slot_ptr,
-                                      pages_ptr, ext_start_ptr, ext_blocks_ptr, layer, C, H, P, S)
-        for i0 in range(tl.program_id(0) * ITEMS, n, stride):
-            m = ok[:, None] & cols
-            x = tl.load(host_ptr + src[:, None] * ITEM + offs[None, :], mask=m)
-            next_src, next_dst, next_ok = _admitted_item(i0 + stride + tl.arange(0, ITEMS), n, blk_ptr, slot_ptr,
-                                                         pages_ptr, ext_start_ptr, ext_blocks_ptr, layer, C, H, P, S)
-            tl.store(kv_ptr + dst[:, None] * ITEM + offs[None, :], x, mask=m)
-            src, dst, ok = next_src, next_dst, next_ok
+        for i0 in range(tl.program_id(0) * ITEMS, n, tl.num_programs(0) * ITEMS):
+            w = i0 + tl.arange(0, ITEMS)
+            src, dst, ok = _admitted_item(w, n, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
+                                          layer, C, H, P, S)
+            _move(host_ptr, kv_ptr, src, dst, ok, ITEM, ITEMP)
 
     @triton.jit
     def _write_through_kernel(kv_ptr, host_ptr, done_ptr, wslot_ptr, ext_start_ptr, ext_blocks_ptr,

@@ -169,8 +169,9 @@ def eviction_marks(rows: int, max_blocks: int, device: torch.device) -> torch.Te
 
 # One warp a row while a row's vectors are this short: the policy is a chain of reductions over
 # K and P elements, and within one warp each is a few shuffles, with no shared memory or
-# barrier. With 4 warps and a [P, K] match matrix the kernel took 36 µs a layer in the 16K
-# step on the H200 (R = 128, K = P = 128; docs/benchmarks.md, eleventh session).
+# barrier. In the 16K step on the H200 (R = 128, K = P = 128) the kernel took 35.9 µs a layer
+# with 4 warps and a [P, K] match matrix, 11.0 µs like this (docs/benchmarks.md, eleventh
+# session).
 EVICTION_ONE_WARP = 512
 
 

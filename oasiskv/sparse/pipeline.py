@@ -84,9 +84,10 @@ GEMM_SM_CARVEOUT = 8
 # stages, 7.44 -> 7.23 and 7.66 -> 7.64 with 3 (docs/benchmarks.md, tenth session).
 TRANSFER_PROGRAMS, TRANSFER_ITEMS, TRANSFER_WARPS = 4, 16, 32
 # The working-set attention's software-pipeline stages: 5 keeps two K/V tiles in flight
-# (~137 KB of shared memory a program at head_dim 128 and 4 query heads a kv head, so only
-# where an SM offers ~200 KB: Hopper). Alone it is faster than 3 (39.4 against 49.4 µs a layer
-# at batch 16), and with the fetch on whole SMs (above) the step is too.
+# (~137 KB of shared memory a program at head_dim 128 in bf16, so only where an SM offers
+# ~200 KB: Hopper; float32 or head_dim 256 would need twice that, which no SM has). Alone it
+# is faster than 3 (39.4 against 49.4 µs a layer at batch 16), and with the fetch on whole SMs
+# (above) the step is too.
 WORKING_SET_STAGES, WORKING_SET_STAGES_SMEM = 5, 200 * 1024
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
 # With splits, the working-set attention's last split program of each (request, kv head) merges
@@ -139,13 +140,14 @@ def stages_fork(max_blocks: int) -> str:
     return "o_proj" if max_blocks >= LONG_SCAN_BLOCKS else "attention"
 
 
-def working_set_stages(device: torch.device) -> int | None:
-    """WORKING_SET_STAGES where the device's SMs have the shared memory for them, else None (the
-    decode kernel's default)."""
+def working_set_stages(device: torch.device, dtype: torch.dtype, head_dim: int) -> int | None:
+    """WORKING_SET_STAGES where the device's SMs have the shared memory for them at this KV
+    dtype and head size, else None (the decode kernel's default)."""
     if device.type != "cuda":
         return None
     smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-    return WORKING_SET_STAGES if smem >= WORKING_SET_STAGES_SMEM else None
+    tile_scale = dtype.itemsize / 2 * head_dim / 128  # the tiles' bytes against bf16 at head_dim 128
+    return WORKING_SET_STAGES if smem >= WORKING_SET_STAGES_SMEM * tile_scale else None
 
 
 class LookaheadPipeline:
@@ -180,7 +182,7 @@ class LookaheadPipeline:
         self.stages_fork = stages_fork(max_blocks)  # the part of a layer after which its stages start
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
-        self.attention_stages = working_set_stages(dev)  # the decode kernel's pipeline stages; None: its default
+        self.attention_stages = working_set_stages(dev, kv.dtype, self.D)  # the decode kernel's pipeline stages; None: its default
         L, R, H, K = self.L, self.R, self.H, self.K
         i32 = dict(dtype=torch.int32, device=dev)
         self.pages = torch.zeros(R, self.P, **i32)
