@@ -1,8 +1,9 @@
 """The pipeline's Triton kernels against their torch forms, under TRITON_INTERPRET=1 (one
 subprocess runs this file as a script): the in-place capped eviction over several steps of
-random histories (its block marks left all -1 by each call), the bounded-grid item copy (transfer / write-through), and the step's
-foreground tables (one launch) on random states. The GPU machine checks them again
-(scripts/gpu_check_pipeline.py; the step tables in scripts/gpu_check_kernels.py)."""
+random histories (its block marks left all -1 by each call), the bounded-grid item copy
+(transfer / write-through), and the step's foreground tables (one launch) on random states.
+The GPU machine checks them again (scripts/gpu_check_pipeline.py; the step tables in
+scripts/gpu_check_kernels.py)."""
 import json
 import os
 

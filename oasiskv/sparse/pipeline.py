@@ -182,7 +182,8 @@ class LookaheadPipeline:
         self.stages_fork = stages_fork(max_blocks)  # the part of a layer after which its stages start
         self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
         dev = self.device = kv.device
-        self.attention_stages = working_set_stages(dev, kv.dtype, self.D)  # the decode kernel's pipeline stages; None: its default
+        # The decode kernel's pipeline stages; None: its default.
+        self.attention_stages = working_set_stages(dev, kv.dtype, self.D)
         L, R, H, K = self.L, self.R, self.H, self.K
         i32 = dict(dtype=torch.int32, device=dev)
         self.pages = torch.zeros(R, self.P, **i32)
