@@ -31,6 +31,7 @@ class EngineConfig:
     drafter: str = "self"
     host_kv_gb: float = 4.0
     summary_dtype: str = "auto"
+    fetch_budget: str | float = "auto"  # transfer budget per step: auto | off | MB
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
 
@@ -64,4 +65,4 @@ class EngineConfig:
         return SparseConfig(enabled=self.sparse, top_k_blocks=self.top_k_blocks, sink_blocks=self.sink_blocks,
                             window_blocks=self.window_blocks, sparse_threshold=self.sparse_threshold,
                             fetch_ratio=self.fetch_ratio, drafter=self.drafter, host_kv_gb=self.host_kv_gb,
-                            summary_dtype=self.summary_dtype)
+                            summary_dtype=self.summary_dtype, fetch_budget=self.fetch_budget)
