@@ -32,6 +32,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # every preemption so far (oasiskv:num_preemptions_total)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,6 +103,7 @@ class Scheduler:
         seq.sparse = None  # recomputed dense, converted again (its host extent stays reserved)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
