@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.config import SparseConfig, auto_threshold
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class EngineConfig:
     top_k_blocks: int = 128
     sink_blocks: int = 1
     window_blocks: int = 4
-    sparse_threshold: int = 8192
+    sparse_threshold: int | None = None  # None: sparse.config.auto_threshold (set at construction)
     fetch_ratio: float = 0.05
     drafter: str = "self"
     host_kv_gb: float = 4.0
@@ -36,6 +36,9 @@ class EngineConfig:
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
 
     def __post_init__(self):
+        if self.sparse_threshold is None:
+            self.sparse_threshold = auto_threshold(self.top_k_blocks, self.sink_blocks, self.window_blocks,
+                                                   self.block_size)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

@@ -28,8 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--top-k-blocks", type=int, default=128)
     sp.add_argument("--sink-blocks", type=int, default=1)
     sp.add_argument("--window-blocks", type=int, default=4)
-    sp.add_argument("--sparse-threshold", type=int, default=8192,
-                    help="context length at which a request converts to sparse")
+    sp.add_argument("--sparse-threshold", type=int, default=None,
+                    help="context length at which a request converts to sparse (default: 4096, or twice "
+                         "the working set's tokens if more: 4256 at K=128)")
     sp.add_argument("--fetch-ratio", type=float, default=0.05,
                     help="cap: ceil(ratio * K) new blocks per KV head per step")
     sp.add_argument("--fetch-all", action="store_true", help="no cap (fetch ratio 1.0)")

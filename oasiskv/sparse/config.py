@@ -8,6 +8,17 @@ from oasiskv.sparse.fetch_budget import parse_fetch_budget
 
 SUMMARY_DTYPES = ("auto", "fp8")  # block summaries: the KV dtype, or fp8 e4m3 (oasiskv.sparse.summaries)
 DRAFTERS = ("self", "ngram", "prev", "oracle", "ondemand")
+# A request converts only once its context is at least this many times its working set
+# (S + K + W blocks; at K = 128 and block size 16: 4,256 tokens): below that its sparse step
+# reads about as many KV bytes as dense and adds the pipeline's work on top.
+MIN_CONTEXT_PER_WORKING_SET = 2
+BASE_THRESHOLD = 4096  # the default threshold's lower bound
+
+
+def auto_threshold(top_k_blocks: int, sink_blocks: int, window_blocks: int, block_size: int) -> int:
+    """The default `--sparse-threshold`: BASE_THRESHOLD, or the conversion floor if higher."""
+    floor = MIN_CONTEXT_PER_WORKING_SET * (sink_blocks + top_k_blocks + window_blocks) * block_size
+    return max(BASE_THRESHOLD, floor)
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ import torch
 
 from oasiskv.sparse.block_scores import score_topk
 from oasiskv.sparse.capped_eviction import EvictionPlan, admission_ranks, capped_eviction
-from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.config import MIN_CONTEXT_PER_WORKING_SET, SparseConfig
 from oasiskv.sparse.fetch_budget import FetchBudget, share_budget
 from oasiskv.sparse.drafters import TokenHistory, next_draft
 from oasiskv.sparse.host_pool import HostKVPool
@@ -68,6 +68,7 @@ class SparseManager:
         # foreground and stall seconds (pipeline only), bytes moved, the budget's bytes, hits and
         # predicted items.
         self.totals = dict.fromkeys(STEP_TOTALS, 0)
+        self.num_conversions = 0
         self.budget = FetchBudget(cfg.fetch_budget, self.item_bytes, self.L)  # the in-line path's
 
     # ---- admission (scheduler side) -------------------------------------------------
@@ -106,9 +107,28 @@ class SparseManager:
         for k, v in step.items():
             self.totals[k] += v
 
-    def should_convert(self, seq, cached_after_step: int) -> bool:
+    @property
+    def conversion_floor(self) -> int:
+        """Context below which a request never converts: its working set would not be well
+        below its context (MIN_CONTEXT_PER_WORKING_SET), so sparse decode would read about as
+        many KV bytes as dense and add the pipeline's work on top."""
+        return MIN_CONTEXT_PER_WORKING_SET * self.cfg.working_set_blocks * self.block_size
+
+    def can_convert(self, seq) -> bool:
+        """A dense request that could convert now (it holds a host extent, its context is past
+        the floor): what the scheduler converts instead of preempting."""
         return seq.sparse is None and getattr(seq, "host_extent", None) is not None \
-            and cached_after_step >= self.cfg.sparse_threshold
+            and not seq.in_prefill and seq.num_tokens >= self.conversion_floor
+
+    def should_convert(self, seq, cached_after_step: int) -> bool:
+        """The request converts after this step: its context passes the threshold (by default
+        past the floor too: `sparse.config.auto_threshold`), or the scheduler asked for it
+        instead of a preemption (`Sequence.convert_early`) and it is past the floor."""
+        if seq.sparse is not None or getattr(seq, "host_extent", None) is None:
+            return False
+        if getattr(seq, "convert_early", False):
+            return cached_after_step >= self.conversion_floor
+        return cached_after_step >= self.cfg.sparse_threshold
 
     # ---- conversion -----------------------------------------------------------------
     @torch.inference_mode()
@@ -161,6 +181,7 @@ class SparseManager:
         ws.history = TokenHistory(seq.token_ids)
         ws.draft = next_draft(cfg.drafter, ws.history, None, seq.last_token_id, None)
         seq.sparse = ws
+        self.num_conversions += 1
         if self.pipeline is not None:
             self.pipeline.adopt(ws, n)
 
