@@ -8,6 +8,7 @@
 # Sizes can be changed without editing: MODEL, DENSE_PROMPTS, DENSE_IN, DENSE_OUT, SPARSE_PROMPTS,
 # SPARSE_IN, SPARSE_OUT, HOST_KV_GB, SERVE_EXTRA (more server flags), BENCH_S (seconds per bench),
 # CASES (default "dense sparse"). The defaults ran in 154 s in all (2026-11-29).
+# `scenarios` as the first argument runs the scenario table instead (below: SCENARIOS, KV_GB).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -74,6 +75,56 @@ run_case() {
   echo "server exit code: $? (after $((SECONDS - t0)) s)"
   tail -5 "$OUT/server_$name.log"
 }
+
+# `bash scripts/gpu_bench_serve.sh scenarios`: the scenario table (docs/benchmarks.md). One dense
+# server, then one sparse server, each started once and loaded with every scenario named in
+# SCENARIOS, in order; both with the same flags (--kv-cache-gb $KV_GB, "" = no limit) and the
+# same bench. Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and
+# scenarios.md (scripts/scenario_table.py). One call cannot hold them all: SCENARIOS picks.
+#   r48x6k: 48 x (1K in, 6K out)   r24x10k: 24 x (1K, 10K)   r16x16k: 16 x (1K, 16K)
+#   l16x16k: 16 x (16K in, 512 out)   l8x32k: 8 x (32K in, 1K out)
+scenario_load() {  # name -> "prompts input output"
+  case $1 in
+    r48x6k) echo "48 1024 6144" ;; r24x10k) echo "24 1024 10240" ;; r16x16k) echo "16 1024 16384" ;;
+    l16x16k) echo "16 16384 512" ;; l8x32k) echo "8 32768 1024" ;; *) echo "unknown scenario $1" >&2; return 1 ;;
+  esac
+}
+
+run_scenarios() {  # CASE SERVER-FLAGS...: one server, every scenario's bench against it
+  local case=$1; shift
+  local limit=()
+  [ -n "${KV_GB-24}" ] && limit=(--kv-cache-gb "${KV_GB-24}")
+  echo "=== $case: serve ${limit[*]} --max-num-seqs 64 $*"
+  local t0=$SECONDS
+  python3 -c "$SERVE_PY" --model "$MODEL" --load-format dummy --port "$PORT" "${limit[@]}" --max-num-seqs 64 \
+    ${SERVE_EXTRA:-} "$@" > "$OUT/server_$case.log" 2>&1 &
+  local pid=$!
+  if ! health "$pid"; then
+    echo "server failed to start; log tail:"; tail -30 "$OUT/server_$case.log"; stop "$pid"; return 1
+  fi
+  echo "ready after $((SECONDS - t0)) s"
+  for name in ${SCENARIOS:-r24x10k}; do
+    read -r n in out < <(scenario_load "$name") || continue
+    echo "--- $name ($case): $n x ($in in, $out out)"
+    timeout "$BENCH_S" python3 -c "$BENCH_PY" --port "$PORT" --num-prompts "$n" --random-input-len "$in" \
+      --random-output-len "$out" --request-rate inf --ignore-eos \
+      --result-dir "$OUT" --result-filename "bench_serve_${name}_$case.json" > "$OUT/bench_${name}_$case.log" 2>&1
+    grep -E "Output token throughput|Median TPOT|Median ITL|Stall /|per request \(GB\)|Preemptions|Conversions" \
+      "$OUT/bench_${name}_$case.log"
+  done
+  scrape "$OUT/metrics_$case.txt"
+  stop "$pid"
+  echo "server stopped after $((SECONDS - t0)) s"
+}
+
+if [ "${1:-}" = scenarios ]; then
+  BENCH_S=${BENCH_S:-400}
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  run_scenarios dense
+  run_scenarios sparse --sparse --host-kv-gb "${HOST_KV_GB:-92}"
+  python3 scripts/scenario_table.py "$OUT" --kv-cache-gb "${KV_GB-24}" --scenarios ${SCENARIOS:-r24x10k}
+  exit 0
+fi
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 free -g | head -2
