@@ -37,7 +37,7 @@ def one_case(reqs, heads, K, P, blocks, cap, items, gen) -> int:
     R, out = reqs * heads, {}
     for dev in ("cpu", "cuda"):
         d = torch.device(dev)
-        r, l, p, sc, w = (t.to(d) for t in (res, last, pred, scores, win))
+        r, l, p, sc, w = (t.clone().to(d) for t in (res, last, pred, scores, win))  # (never the inputs)
         step = torch.tensor(7, dtype=torch.int32, device=d)
         ab = torch.full((R, cap), -1, dtype=torch.int32, device=d)
         asl, stats = ab.clone(), torch.zeros(R, 4, dtype=torch.long, device=d)

@@ -209,7 +209,7 @@ class LLMEngine:
             need = runner.sparse.cfg.working_set_blocks
             pages = self.block_manager.take(need)
             dense_pages = seq.pages
-            if pages is None and len(dense_pages) >= 2 * need:
+            if pages is None and len(dense_pages) > need:
                 # The pool is full: the working set takes pages of the request's own (conversion
                 # reads each layer's blocks before it writes that layer's working set).
                 pages, dense_pages = dense_pages[-need:], dense_pages[:-need]

@@ -75,12 +75,14 @@ class Scheduler:
         bm = self.block_manager
         seqs = []
         pending = [s for s in self.running if not s.in_prefill]
+        if self._convert_ahead(pending):  # the requests converting go first: they must run this step
+            pending.sort(key=lambda s: not s.convert_early)
         while pending:
             seq = pending.pop(0)
             if seq.sparse is not None:  # a fixed working set: no page to add
                 seqs.append(seq)
                 continue
-            if not bm.can_grow(seq, seq.num_tokens) and self._convert_for_room(seqs):
+            if not bm.can_grow(seq, seq.num_tokens) and any(s.convert_early for s in seqs):
                 continue  # it waits one step: a conversion after this step frees pages
             while not bm.can_grow(seq, seq.num_tokens):
                 victim = pending.pop() if pending else seq
@@ -96,19 +98,25 @@ class Scheduler:
             return self._schedule_prefill()
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
 
-    def _convert_for_room(self, scheduled: list[Sequence]) -> bool:
-        """Pages ran short: rather than preempt, convert the longest dense request of this step
-        that can go sparse (it converts after the step, from its own pages, and gives the rest
-        back). True if one is converting after this step, so requests short of a page wait."""
+    def _convert_ahead(self, pending: list[Sequence]) -> bool:
+        """Convert instead of preempting: while fewer pages are free (counting those the
+        conversions already asked for will give back) than there are dense requests, which may
+        all need a page at the same step, the longest dense requests that can go sparse are
+        asked to convert after this step (it records their query; they keep their working set
+        in pages of their own and give the rest back). True if any is converting."""
         if self.sparse is None:
             return False
-        if any(s.convert_early for s in scheduled):
-            return True
-        candidates = [s for s in scheduled if self.sparse.can_convert(s)]
-        if not candidates:
-            return False
-        max(candidates, key=lambda s: s.num_tokens).convert_early = True
-        return True
+        dense = [s for s in pending if s.sparse is None]
+        early = [s for s in dense if s.convert_early]
+        free = self.block_manager.num_free + sum(self.sparse.pages_freed(s) for s in early)
+        for s in sorted(dense, key=lambda s: s.num_tokens, reverse=True):
+            if free >= len(dense):
+                break
+            if not s.convert_early and self.sparse.can_convert(s):
+                s.convert_early = True
+                early.append(s)
+                free += self.sparse.pages_freed(s)
+        return bool(early)
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the pages, queue the tokens again."""

@@ -145,7 +145,7 @@ class SparseDecodeMixin:
         row_ids = torch.zeros(bucket, 2, dtype=torch.long, device=dev)
         row_ids[rows] = ids
         active = torch.zeros(bucket, dtype=torch.bool, device=dev)
-        active[rows] = True
+        active.index_fill_(0, rows, True)  # (`active[rows] = True` copies the scalar from the host: a sync)
         p.active[:bucket].copy_(active)
         hidden = step.run(row_ids.view(-1))
         logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))

@@ -12,6 +12,8 @@ DRAFTERS = ("self", "ngram", "prev", "oracle", "ondemand")
 # (S + K + W blocks; at K = 128 and block size 16: 4,256 tokens): below that its sparse step
 # reads about as many KV bytes as dense and adds the pipeline's work on top.
 MIN_CONTEXT_PER_WORKING_SET = 2
+# Under GPU-pool pressure (instead of a preemption) from 1.5 times the working set.
+PRESSURE_CONTEXT_PER_WORKING_SET = 1.5
 BASE_THRESHOLD = 4096  # the default threshold's lower bound
 
 

@@ -17,7 +17,7 @@ import torch
 
 from oasiskv.sparse.block_scores import score_topk
 from oasiskv.sparse.capped_eviction import EvictionPlan, admission_ranks, capped_eviction
-from oasiskv.sparse.config import MIN_CONTEXT_PER_WORKING_SET, SparseConfig
+from oasiskv.sparse.config import MIN_CONTEXT_PER_WORKING_SET, PRESSURE_CONTEXT_PER_WORKING_SET, SparseConfig
 from oasiskv.sparse.fetch_budget import FetchBudget, share_budget
 from oasiskv.sparse.drafters import TokenHistory, next_draft
 from oasiskv.sparse.host_pool import HostKVPool
@@ -114,20 +114,30 @@ class SparseManager:
         many KV bytes as dense and add the pipeline's work on top."""
         return MIN_CONTEXT_PER_WORKING_SET * self.cfg.working_set_blocks * self.block_size
 
+    @property
+    def pressure_floor(self) -> int:
+        """Context from which a request may convert when the GPU pool runs short: its working
+        set then frees a third of its pages or more, and the alternative is a preemption."""
+        return int(PRESSURE_CONTEXT_PER_WORKING_SET * self.cfg.working_set_blocks * self.block_size)
+
     def can_convert(self, seq) -> bool:
-        """A dense request that could convert now (it holds a host extent, its context is past
-        the floor): what the scheduler converts instead of preempting."""
+        """A dense request that could convert now, instead of a preemption: it holds a host
+        extent and its context is past the pressure floor."""
         return seq.sparse is None and getattr(seq, "host_extent", None) is not None \
-            and not seq.in_prefill and seq.num_tokens >= self.conversion_floor
+            and not seq.in_prefill and seq.num_tokens >= self.pressure_floor
+
+    def pages_freed(self, seq) -> int:
+        """GPU pages a dense request gives back by converting (all but its working set's)."""
+        return max(0, len(seq.pages) - self.cfg.working_set_blocks)
 
     def should_convert(self, seq, cached_after_step: int) -> bool:
         """The request converts after this step: its context passes the threshold (by default
         past the floor too: `sparse.config.auto_threshold`), or the scheduler asked for it
-        instead of a preemption (`Sequence.convert_early`) and it is past the floor."""
+        instead of a preemption (`Sequence.convert_early`) and it is past the pressure floor."""
         if seq.sparse is not None or getattr(seq, "host_extent", None) is None:
             return False
         if getattr(seq, "convert_early", False):
-            return cached_after_step >= self.conversion_floor
+            return cached_after_step >= self.pressure_floor
         return cached_after_step >= self.cfg.sparse_threshold
 
     # ---- conversion -----------------------------------------------------------------
