@@ -101,21 +101,21 @@ class Scheduler:
     def _convert_ahead(self, pending: list[Sequence]) -> bool:
         """Convert instead of preempting: while fewer pages are free (counting those the
         conversions already asked for will give back) than there are dense requests, which may
-        all need a page at the same step, the longest dense requests that can go sparse are
-        asked to convert after this step (it records their query; they keep their working set
-        in pages of their own and give the rest back). True if any is converting."""
+        all need a page at the same step, every dense request that can go sparse is asked to
+        convert after the step it next runs in (which records its query; it keeps its working
+        set in pages of its own and gives the rest back): together, so the batch spends one
+        step converting rather than many steps half dense, half sparse (two forward passes
+        each). True if any is converting."""
         if self.sparse is None:
             return False
         dense = [s for s in pending if s.sparse is None]
         early = [s for s in dense if s.convert_early]
         free = self.block_manager.num_free + sum(self.sparse.pages_freed(s) for s in early)
-        for s in sorted(dense, key=lambda s: s.num_tokens, reverse=True):
-            if free >= len(dense):
-                break
-            if not s.convert_early and self.sparse.can_convert(s):
-                s.convert_early = True
-                early.append(s)
-                free += self.sparse.pages_freed(s)
+        if free < len(dense):  # every one that can goes now: one conversion step, not many mixed ones
+            for s in dense:
+                if not s.convert_early and self.sparse.can_convert(s):
+                    s.convert_early = True
+                    early.append(s)
         return bool(early)
 
     def preempt(self, seq: Sequence) -> None:
