@@ -120,3 +120,23 @@ def test_engine_converts_instead_of_preempting():
     assert all(len(o.token_ids) == 120 for o in outs)
     assert sparse.engine.scheduler.num_preemptions == 0
     assert sparse.engine.runner.sparse.num_conversions == 2
+
+
+def test_dense_steps_of_a_sparse_engine_overlap_and_convert_as_in_sync():
+    """With sparse decode on, the dense steps before a conversion run under async scheduling
+    too; the request still converts after the same step as in the synchronous loop (the full
+    budget makes sparse exact, so the tokens must match)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = [(11 * j) % 900 + 20 for j in range(300)]
+    runs = {}
+    for mode in ("off", "on"):
+        llm = LLM(max_model_len=512, async_scheduling=mode, sparse=True, top_k_blocks=40, sparse_threshold=320,
+                  host_kv_gb=0.05)
+        out = llm.generate([prompt], params)[0]
+        runs[mode] = (out.token_ids, out.stats["sparse_steps"])
+        if mode == "on":
+            assert llm.engine.step_stats["overlapped_steps"] > 0
+    assert runs["on"] == runs["off"]
+    # Decode steps bring the cache from 301 to 339 tokens (the prefill sampled the first
+    # output); the request converts after the step that reaches 320, so the 19 after are sparse.
+    assert runs["off"][1] == 339 - 320

@@ -203,8 +203,10 @@ class DecodeBench:
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
 
         r, mc, bs = self.runner, self.mc, self.bs
+        # The fixed cap alone (`--fetch-budget off`): this bench times steps outside the engine,
+        # which is what times the foreground that the auto budget follows.
         cfg = dataclasses.replace(self.sparse_cfg, fetch_ratio=fetch_ratio or self.sparse_cfg.fetch_ratio,
-                                  summary_dtype=summary_dtype or self.sparse_cfg.summary_dtype)
+                                  summary_dtype=summary_dtype or self.sparse_cfg.summary_dtype, fetch_budget="off")
         P, K, S, W = cfg.working_set_blocks, cfg.top_k_blocks, cfg.sink_blocks, cfg.window_blocks
         nb = self.blocks(context)
         if batch * P > r.num_pages:

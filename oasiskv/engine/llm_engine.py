@@ -178,21 +178,28 @@ class LLMEngine:
         self._last_done = done
         return self.postprocess(cur.batch, tokens)
 
-    def _overlappable(self, seqs: list[Sequence]) -> bool:
-        """Plain dense decode, or a batch whose requests all decode sparse through the pipeline
-        (their next drafts are chosen on the device). Mixed batches, conversions, the in-line
-        sparse path and logits processors (which may look at the tokens so far) take the
-        synchronous path."""
+    def _overlappable(self, seqs: list[Sequence], ahead: int = 0) -> bool:
+        """Plain dense decode (with sparse decode on too, while no request of the batch converts
+        after the step: `ahead` = 1 for the step after the one in flight), or a batch whose
+        requests all decode sparse through the pipeline (their next drafts are chosen on the
+        device). Mixed batches, conversions, the in-line sparse path and logits processors
+        (which may look at the tokens so far) take the synchronous path."""
         if any(s.params.logits_processors for s in seqs):
             return False
         r = self.runner
-        return r.sparse is None or (r.is_pipeline_batch(seqs) and not r.pending_conversions)
+        if r.sparse is None:
+            return True
+        if r.pending_conversions:
+            return False
+        if r.is_pipeline_batch(seqs):
+            return True
+        return all(s.sparse is None and not r.sparse.should_convert(s, s.num_tokens + ahead) for s in seqs)
 
     def _next_step_of(self, seqs: list[Sequence]) -> list[Sequence]:
         """The requests of a step in flight that certainly take another step: none when requests
         wait to be admitted (the scheduler must run) or pages run short (it may preempt); those
         whose token now reaches max_tokens or the model length leave."""
-        if self.scheduler.waiting or not self._overlappable(seqs):
+        if self.scheduler.waiting or not self._overlappable(seqs, ahead=1):
             return []
         nxt = [s for s in seqs if s.status == SequenceStatus.RUNNING
                and len(s.output_token_ids) + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len]
