@@ -1,0 +1,40 @@
+"""Every sparse step's figures and the preemptions reach /metrics as counters that follow the
+engine's totals (which the engine adds to on every step, overlapped ones too)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from oasiskv.entrypoints.metrics import ServerMetrics
+from oasiskv.sparse.manager import STEP_TOTALS
+
+
+def fake_engine(preemptions: int, totals: dict, conversions: int):
+    host = SimpleNamespace(num_items=10, item_bytes=8, bytes_used=16)
+    sparse = SimpleNamespace(totals=totals, num_conversions=conversions, host=host)
+    return SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=preemptions),
+                           block_manager=SimpleNamespace(num_pages=4, num_free=4),
+                           runner=SimpleNamespace(sparse=sparse))
+
+
+def scraped(metrics: ServerMetrics) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+
+
+def test_step_counters_follow_the_engine_totals():
+    m = ServerMetrics()
+    totals = dict.fromkeys(STEP_TOTALS, 0)
+    m.observe_engine(fake_engine(0, dict(totals), 0))
+    totals.update(steps=3, foreground_s=0.03, stall_s=0.001, bytes=4096, budget_bytes=8192, hits=5, predicted=9)
+    m.observe_engine(fake_engine(2, dict(totals), 1))
+    totals.update(steps=5, stall_s=0.0015, bytes=6144)
+    m.observe_engine(fake_engine(2, dict(totals), 1))
+    v = scraped(m)
+    assert v["oasiskv:num_preemptions_total"] == 2
+    assert v["oasiskv:sparse_conversions_total"] == 1
+    assert v["oasiskv:sparse_decode_steps_total"] == 5
+    assert abs(v["oasiskv:sparse_step_stall_seconds_total"] - 0.0015) < 1e-12
+    assert v["oasiskv:sparse_step_host_to_gpu_bytes_total"] == 6144
+    assert v["oasiskv:sparse_step_budget_bytes_total"] == 8192
+    assert v["oasiskv:sparse_step_hit_blocks_total"] == 5 and v["oasiskv:sparse_step_predicted_blocks_total"] == 9
