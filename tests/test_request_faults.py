@@ -32,14 +32,14 @@ def dense():
 
 @pytest.fixture(scope="module")
 def sparse():
-    # Sparse from the prompt's end; 32 blocks hold the whole context, so it decodes as dense does.
-    return LLM(max_model_len=1024, sparse=True, sparse_threshold=256, top_k_blocks=32, host_kv_gb=0.25)
+    # Sparse from the prompt's end; 16 blocks hold the whole context, so it decodes as dense does.
+    return LLM(max_model_len=1024, sparse=True, sparse_threshold=96, top_k_blocks=16, host_kv_gb=0.25)
 
 
 @pytest.fixture(scope="module")
 def long_prompts(dense):
     ids = dense.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)
-    return [ids[:300], ids[2000:2310], ids[5000:5290]]
+    return [ids[:130], ids[2000:2120], ids[5000:5140]]
 
 
 def _assert_all_freed(llm):
@@ -50,8 +50,8 @@ def _assert_all_freed(llm):
         assert e.runner.sparse.host.bytes_used == 0
 
 
-def _run_with_fault(llm, prompts, at: int):
-    want = llm.generate(prompts, SamplingParams(**GREEDY))
+def _run_with_fault(llm, prompts, at: int, want):
+    """want: the outputs of the same requests without the fault."""
     params = [SamplingParams(**GREEDY), SamplingParams(**GREEDY, logits_processors=[FailsAt(at)]),
               SamplingParams(**GREEDY)]
     got = llm.generate(prompts, params)
@@ -65,22 +65,23 @@ def _run_with_fault(llm, prompts, at: int):
 
 @pytest.mark.parametrize("at", [1, 4])
 def test_dense_fault_fails_only_its_request(dense, at):
-    _run_with_fault(dense, ["The capital of France is", "def fibonacci(n):", "Once upon a time,"], at)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+    _run_with_fault(dense, prompts, at, dense.generate(prompts, SamplingParams(**GREEDY)))
 
 
-def test_sparse_fault_fails_only_its_request(sparse, long_prompts):
-    _run_with_fault(sparse, long_prompts, 4)
+def test_sparse_fault_fails_only_its_request(dense, sparse, long_prompts):
+    _run_with_fault(sparse, long_prompts, 4, dense.generate(long_prompts, SamplingParams(**GREEDY)))
     assert sparse.engine.runner.pipeline is None  # the in-line path ran
 
 
 def test_sparse_returns_dense_logprobs_and_the_same_tokens(dense, sparse, long_prompts):
     ask = SamplingParams(**GREEDY, logprobs=3)
-    plain = sparse.generate(long_prompts[:2], SamplingParams(**GREEDY))
-    got = sparse.generate(long_prompts[:2], ask)
-    ref = dense.generate(long_prompts[:2], ask)
+    plain = sparse.generate(long_prompts[0], SamplingParams(**GREEDY))
+    got = sparse.generate(long_prompts[0], ask)
+    ref = dense.generate(long_prompts[0], ask)
     for p, g, r in zip(plain, got, ref):
-        assert g.stats["sparse_steps"] > 0
-        assert g.token_ids == p.token_ids == r.token_ids
+        assert g.stats["sparse_steps"] == 7
+        assert g.token_ids == p.token_ids == r.token_ids and len(g.logprobs) == len(g.token_ids)
         for a, b in zip(g.logprobs, r.logprobs):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-3 for t in a)
 
@@ -119,3 +120,17 @@ def test_model_fault_stops_the_engine(dense):
             dense.engine.step()
     finally:
         del model.forward
+
+
+def test_detokenize_off_leaves_text_and_stop_strings_to_the_caller(dense):
+    engine = dense.engine
+    free = dense.generate("The capital of France is", SamplingParams(**GREEDY))[0]
+    stop = free.text.split()[1]
+    engine.detokenize = False
+    try:
+        out = dense.generate("The capital of France is", SamplingParams(**GREEDY, stop=[stop],
+                                                                       stop_token_ids=[free.token_ids[5]]))[0]
+    finally:
+        engine.detokenize = True
+    assert out.text == "" and out.finish_reason == "stop"  # the stop token, not the earlier stop string
+    assert out.token_ids == free.token_ids[:6]
