@@ -7,7 +7,11 @@ import argparse
 
 import pytest
 
+import torch
+
 from oasiskv import LLM, SamplingParams
+from oasiskv.engine.sampler import sample_requests
+from oasiskv.engine.sequence import Sequence
 
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -23,6 +27,27 @@ class FailsAt:
         if self.calls == self.n:
             raise RuntimeError("injected fault")
         return row
+
+
+def test_batched_sampling_fault_is_traced_to_its_row():
+    """The batched stage raises (a setting broken after validation): each row alone finds the
+    request at fault, the others sample what they sample without it, with the same noise."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    seqs = [Sequence(str(i), [1], SamplingParams(temperature=0.9, top_k=5, seed=i)) for i in range(3)]
+    for s in seqs:
+        s.generator = torch.Generator().manual_seed(s.params.seed)
+    want = sample_requests(logits, seqs)
+    for s in seqs:
+        s.generator.manual_seed(s.params.seed)
+    seqs[1].params.top_k = "five"
+    got = sample_requests(logits, seqs)
+    assert seqs[1].error.startswith("sampling failed") and seqs[0].error is None and seqs[2].error is None
+    assert got[0] == want[0] and got[2] == want[2]
+    for s in seqs:
+        s.params.top_k = "five"
+    with pytest.raises(Exception):  # every row fails: not a request's fault
+        sample_requests(logits, seqs)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ def sample_requests(logits: torch.Tensor, seqs: list, noise: torch.Tensor | None
     Each request's own work, its logits processors and `apply_rules`, runs on its row alone: if it
     raises, the request is failed (`seq.error`, which the engine turns into its error output) and
     its row samples the raw logits, so the batch goes on. The batched sampling after that is
-    retried row by row should it raise, with the same noise, to find the request at fault.
+    retried row by row should it raise, with the same noise, to find the request at fault; if
+    every row fails, the fault is not a request's (a device error) and propagates.
     Requests that ask get their sampled tokens' logprobs, from the raw logits.
 
     appended: the draft row of a lookahead step: [B] tokens taken as generated before these
@@ -47,20 +48,26 @@ def sample_requests(logits: torch.Tensor, seqs: list, noise: torch.Tensor | None
     try:
         tokens = sample(adjusted, params, gens, noise)
     except Exception:  # noqa: BLE001 - which request? each row alone tells
-        tokens = torch.cat([_sample_row(logits, adjusted, seqs, noise, i, draft) for i in range(len(seqs))])
+        rows, faults = zip(*(_sample_row(logits, adjusted, seqs, noise, i) for i in range(len(seqs))))
+        if all(faults):
+            raise
+        if not draft:
+            for s, fault in zip(seqs, faults):
+                if fault is not None:
+                    _fail(s, fault)
+        tokens = torch.cat(rows)
     if not draft:
         record_token_logprobs(seqs, logits, tokens)
     return tokens
 
 
-def _sample_row(logits, adjusted, seqs, noise, i: int, draft: bool) -> torch.Tensor:
+def _sample_row(logits, adjusted, seqs, noise, i: int) -> tuple[torch.Tensor, Exception | None]:
+    """Row i sampled alone, or its raw argmax and the fault that stopped it."""
     s = seqs[i]
     try:
-        return sample(adjusted[i:i + 1], [s.params], [s.generator], None if noise is None else noise[i:i + 1])
+        return sample(adjusted[i:i + 1], [s.params], [s.generator], None if noise is None else noise[i:i + 1]), None
     except Exception as e:  # noqa: BLE001
-        if not draft:
-            _fail(s, e)
-        return logits[i:i + 1].argmax(dim=-1)
+        return logits[i:i + 1].argmax(dim=-1), e
 
 
 def _fail(seq, e: Exception) -> None:
