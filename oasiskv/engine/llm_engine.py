@@ -55,6 +55,12 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)  # ttft, tpot, e2el (seconds), preemptions
     stats: dict = field(default_factory=dict)
+    # Asked for with SamplingParams.logprobs / prompt_logprobs (else None): per generated token,
+    # {token id: logprob} holding it and the top-n; per prompt token the same, [0] is None.
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    cumulative_logprob: float | None = None  # the sum of the generated tokens' logprobs
+    error: str | None = None  # the request's own work failed (finish_reason "error"): why
 
 
 class LLMEngine:
@@ -77,6 +83,9 @@ class LLMEngine:
         self._last_done = 0.0
         self._weight_bytes = weight_bytes_per_step(mc, self.runner.dtype.itemsize)
         self.seqs: dict[str, Sequence] = {}
+        # False: outputs carry no text and stop strings are not checked (a front end that
+        # detokenizes off the engine's thread does both); stop tokens and lengths still apply.
+        self.detokenize = True
         self.step_stats = {"prefill_steps": 0, "decode_steps": 0, "decode_time": 0.0,
                            "decode_tokens": 0, "prefill_time": 0.0, "prefill_tokens": 0,
                            "decode_bytes": 0, "overlapped_steps": 0}
@@ -104,6 +113,10 @@ class LLMEngine:
                              f"{self.block_manager.num_pages}; raise --kv-cache-gb")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         sparse = self.runner.sparse
         if sparse is not None:  # a request whose full KV can never fit the host pool would wait forever
             probe = Sequence("", token_ids, params)
@@ -124,6 +137,10 @@ class LLMEngine:
         if rid in self.seqs:
             raise ValueError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, token_ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        if params.min_tokens:
+            vocab = self.runner.model_config.vocab_size
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            seq.min_tokens_stop_ids = sorted(t for t in stops if t < vocab)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self.seqs[rid] = seq
@@ -182,9 +199,11 @@ class LLMEngine:
         """Plain dense decode (with sparse decode on too, while no request of the batch converts
         after the step: `ahead` = 1 for the step after the one in flight), or a batch whose
         requests all decode sparse through the pipeline (their next drafts are chosen on the
-        device). Mixed batches, conversions, the in-line sparse path and logits processors
-        (which may look at the tokens so far) take the synchronous path."""
-        if any(s.params.logits_processors for s in seqs):
+        device). Mixed batches, conversions, the in-line sparse path, logits processors and
+        penalties (which look at the tokens so far) and logprobs (read back every step) take the
+        synchronous path."""
+        if any(s.params.logits_processors or s.params.has_penalties or s.params.logprobs is not None
+               for s in seqs):
             return False
         r = self.runner
         if r.sparse is None:
@@ -201,7 +220,7 @@ class LLMEngine:
         whose token now reaches max_tokens or the model length leave."""
         if self.scheduler.waiting or not self._overlappable(seqs, ahead=1):
             return []
-        nxt = [s for s in seqs if s.status == SequenceStatus.RUNNING
+        nxt = [s for s in seqs if s.status == SequenceStatus.RUNNING and s.error is None
                and len(s.output_token_ids) + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len]
         need = sum(self.block_manager.pages_needed(s, s.num_tokens + 1) for s in nxt if s.sparse is None)
         return nxt if need <= self.block_manager.num_free else []
@@ -237,6 +256,9 @@ class LLMEngine:
                 r.model_config, r.dtype.itemsize, sum(s.num_tokens - 1 for s in batch.seqs))
 
     def postprocess(self, batch, tokens: list[int | None]) -> list[RequestOutput]:
+        """Each request's new token: appended, its stop conditions checked, its output made. A
+        request whose own work failed (its sampling, here its stop check or its output) ends
+        with an error output and frees what it holds; the others go on."""
         now = time.perf_counter()
         outputs = []
         for seq, n, tok in zip(batch.seqs, batch.num_tokens, tokens):
@@ -247,36 +269,58 @@ class LLMEngine:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.error is not None:
+                if seq.output_token_ids and seq.output_token_ids[-1] == PENDING:
+                    seq.output_token_ids.pop()
+                outputs.append(self._fail(seq, now))
+                continue
             if seq.output_token_ids and seq.output_token_ids[-1] == PENDING:
                 seq.output_token_ids[-1] = tok  # the next step already runs on it
             else:
                 seq.output_token_ids.append(tok)
-            reason = self._finish_reason(seq, tok)
-            if reason:
-                seq.finish_reason, seq.finish_time = reason, now
-                self.scheduler.finish(seq)
-                self.seqs.pop(seq.request_id, None)
-            outputs.append(self.make_output(seq))
+            try:
+                reason = self._finish_reason(seq, tok)
+                if reason:
+                    seq.finish_reason, seq.finish_time = reason, now
+                    self.scheduler.finish(seq)
+                    self.seqs.pop(seq.request_id, None)
+                outputs.append(self.make_output(seq))
+            except Exception as e:  # noqa: BLE001 - a fault of this request's own work fails only it
+                seq.error = f"{type(e).__name__}: {e}"
+                outputs.append(self._fail(seq, now))
         return outputs
+
+    def _fail(self, seq: Sequence, now: float) -> RequestOutput:
+        """Ends a request whose own work failed: its pages and host extent go back."""
+        seq.finish_reason, seq.finish_time = "error", now
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+        try:
+            return self.make_output(seq)
+        except Exception:  # noqa: BLE001 - its text could not be made either: the ids still can
+            return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, "", list(seq.output_token_ids),
+                                 "error", True, error=seq.error)
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            return "stop"
-        if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            tail = len(text) - max(len(s) for s in p.stop) - 8  # only the newest characters can complete one
-            hits = [i for i in (text.find(s, max(0, tail)) for s in p.stop) if i >= 0]
-            if hits:
-                seq.stop_text_len = min(hits)
+        if len(seq.output_token_ids) >= p.min_tokens:  # below min_tokens nothing but a length ends it
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
                 return "stop"
+            if p.stop and self.detokenize and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                tail = len(text) - max(len(s) for s in p.stop) - 8  # only the newest characters can complete one
+                hits = [i for i in (text.find(s, max(0, tail)) for s in p.stop) if i >= 0]
+                if hits:
+                    seq.stop_text_len = min(hits)
+                    return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         text = ""
-        if self.tokenizer is not None:
+        if self.detokenize and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             if seq.stop_text_len is not None:
                 text = text[:seq.stop_text_len]
@@ -291,5 +335,11 @@ class LLMEngine:
         if seq.sparse is not None:
             ws = seq.sparse
             stats = ws.stats.as_dict(ws.cfg.working_set_blocks, -(-seq.num_tokens // self.config.block_size))
+        p = seq.params
+        asked = p.logprobs is not None
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text,
-                             list(seq.output_token_ids), seq.finish_reason, seq.is_finished, metrics, stats)
+                             list(seq.output_token_ids), seq.finish_reason, seq.is_finished, metrics, stats,
+                             logprobs=list(seq.logprobs) if asked else None,
+                             # complete once the prompt is done, never changed after: shared, not copied
+                             prompt_logprobs=(seq.prompt_logprobs or [None]) if p.prompt_logprobs is not None else None,
+                             cumulative_logprob=seq.cumulative_logprob if asked else None, error=seq.error)

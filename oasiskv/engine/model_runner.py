@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from oasiskv.config import EngineConfig
-from oasiskv.engine.sampler import on_device, sample, to_host
+from oasiskv.engine.logprobs import record_prompt_logprobs
+from oasiskv.engine.sampler import on_device, sample_requests, to_host
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.sparse_decode import SparseDecodeMixin
@@ -151,7 +152,10 @@ class ModelRunner(SparseDecodeMixin):
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def prepare_prefill(self, batch: ScheduledBatch):
-        ids, pos, owner, chunks, logits_rows = [], [], [], [], []
+        """-> input ids, positions, attention metadata, the rows whose logits sample a token (a
+        finished prompt's last), and (seq, first row, first position, rows) of each chunk whose
+        request asks for prompt logprobs (every row of it needs logits)."""
+        ids, pos, owner, chunks, logits_rows, prompt_rows = [], [], [], [], [], []
         start = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c0 = seq.num_cached_tokens
@@ -160,6 +164,8 @@ class ModelRunner(SparseDecodeMixin):
             owner.extend([i] * n)
             used_pages = (c0 + self.block_size - 1) // self.block_size
             chunks.append(PrefillChunk(start, n, c0, torch.tensor(seq.pages[:used_pages], device=self.device)))
+            if seq.params.prompt_logprobs is not None and c0 < len(seq.prompt_token_ids) - 1:
+                prompt_rows.append((seq, start, c0, n))
             start += n
             if c0 + n == seq.num_tokens:
                 logits_rows.append(start - 1)
@@ -174,7 +180,7 @@ class ModelRunner(SparseDecodeMixin):
             if record:
                 meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.cfg.drafter, record_rows=record)
         return (torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device),
-                meta, logits_rows)
+                meta, logits_rows, prompt_rows)
 
     def prepare_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """ids: the input tokens already on the device (async scheduling: the last step's
@@ -205,8 +211,11 @@ class ModelRunner(SparseDecodeMixin):
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Runs one step; returns the sampled token per sequence (None: mid-prompt chunk)."""
         if batch.is_prefill:
-            ids, positions, meta, rows = self.prepare_prefill(batch)
-            hidden = self.model(ids, positions, self.kv_caches, meta)[rows]
+            ids, positions, meta, rows, prompt_rows = self.prepare_prefill(batch)
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            for seq, first, pos, n in prompt_rows:
+                record_prompt_logprobs(seq, hidden[first:first + n], pos, self.model.compute_logits)
+            hidden = hidden[rows]
             sampling_seqs = [s for s, n in zip(batch.seqs, batch.num_tokens)
                              if s.num_cached_tokens + n == s.num_tokens]
         elif self.pipeline is not None and any(s.sparse is not None for s in batch.seqs):
@@ -218,9 +227,7 @@ class ModelRunner(SparseDecodeMixin):
             sampling_seqs = batch.seqs
         tokens = []
         if sampling_seqs:
-            logits = self.model.compute_logits(hidden)
-            tokens = sample(logits, [s.params for s in sampling_seqs],
-                            [s.generator for s in sampling_seqs]).tolist()
+            tokens = sample_requests(self.model.compute_logits(hidden), sampling_seqs).tolist()
         by_seq = {id(s): t for s, t in zip(sampling_seqs, tokens)}
         return [by_seq.get(id(s)) for s in batch.seqs]
 
@@ -234,8 +241,7 @@ class ModelRunner(SparseDecodeMixin):
         then [n, 2] (token, draft) pairs, and `read_pipeline_decode` reads them."""
         if self.is_pipeline_batch(seqs):
             return self.launch_pipeline_decode(seqs, ids)
-        hidden = self.run_decode(seqs, ids)
-        tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample_requests(self.model.compute_logits(self.run_decode(seqs, ids)), seqs)
         return tokens, *to_host(tokens)
 
     def is_pipeline_batch(self, seqs: list[Sequence]) -> bool:

@@ -1,23 +1,88 @@
-"""Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeded."""
+"""Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeded; and,
+around that, each request's own rules (logits processors, penalties, bias, min_tokens) and
+logprobs, with a request whose own work fails failed alone."""
 from __future__ import annotations
 
 import torch
 
+from oasiskv.engine.logprobs import record_token_logprobs
+from oasiskv.engine.penalties import apply_rules
 from oasiskv.sampling_params import SamplingParams
 
 
+def sample_requests(logits: torch.Tensor, seqs: list, noise: torch.Tensor | None = None,
+                    appended: torch.Tensor | None = None) -> torch.Tensor:
+    """The next token [B] (on logits' device) of each request's row of logits [B, V] (float32).
+
+    Each request's own work, its logits processors and `apply_rules`, runs on its row alone: if it
+    raises, the request is failed (`seq.error`, which the engine turns into its error output) and
+    its row samples the raw logits, so the batch goes on. The batched sampling after that is
+    retried row by row should it raise, with the same noise, to find the request at fault; if
+    every row fails, the fault is not a request's (a device error) and propagates.
+    Requests that ask get their sampled tokens' logprobs, from the raw logits.
+
+    appended: the draft row of a lookahead step: [B] tokens taken as generated before these
+    logits (each row's draft). Draft rows skip the processors (they belong to the real row),
+    record nothing and fail nothing: a faulty rule leaves the draft row's logits raw."""
+    params = [s.params for s in seqs]
+    draft = appended is not None
+    adjusted = logits
+    if any(p.adjusts_logits for p in params):
+        adjusted = logits.clone()
+        for i, s in enumerate(seqs):
+            if not s.params.adjusts_logits:
+                continue
+            try:
+                row = adjusted[i]
+                if not draft:
+                    for process in s.params.logits_processors:
+                        row = process(row)
+                adjusted[i] = apply_rules(row, s, appended[i] if draft else None)
+            except Exception as e:  # noqa: BLE001 - any fault of the request's own work fails only it
+                adjusted[i] = logits[i]
+                if not draft:
+                    _fail(s, e)
+    gens = [s.generator for s in seqs]
+    if noise is None and not all(p.greedy for p in params):
+        noise = draw_noise(gens, logits.shape[1], logits.device)
+    try:
+        tokens = sample(adjusted, params, gens, noise)
+    except Exception:  # noqa: BLE001 - which request? each row alone tells
+        rows, faults = zip(*(_sample_row(logits, adjusted, seqs, noise, i) for i in range(len(seqs))))
+        if all(faults):
+            raise
+        if not draft:
+            for s, fault in zip(seqs, faults):
+                if fault is not None:
+                    _fail(s, fault)
+        tokens = torch.cat(rows)
+    if not draft:
+        record_token_logprobs(seqs, logits, tokens)
+    return tokens
+
+
+def _sample_row(logits, adjusted, seqs, noise, i: int) -> tuple[torch.Tensor, Exception | None]:
+    """Row i sampled alone, or its raw argmax and the fault that stopped it."""
+    s = seqs[i]
+    try:
+        return sample(adjusted[i:i + 1], [s.params], [s.generator], None if noise is None else noise[i:i + 1]), None
+    except Exception as e:  # noqa: BLE001
+        return logits[i:i + 1].argmax(dim=-1), e
+
+
+def _fail(seq, e: Exception) -> None:
+    if seq.error is None:
+        seq.error = f"sampling failed: {type(e).__name__}: {e}"
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None], noise: torch.Tensor | None = None,
-           processors: bool = True) -> torch.Tensor:
+           generators: list[torch.Generator | None], noise: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [B, V] float32 -> token ids [B] (long, on logits' device).
 
     noise: [B, V] Exp(1) draws to sample with instead of fresh ones (`draw_noise`). The sampled
     token is a deterministic function of the logits and the noise, so a lookahead drafter that
     draws a position's noise one step early can sample its draft with it and propose the very
-    token sampling will pick there. processors=False skips the requests' logits processors
-    (they belong to the real row, not to a draft row)."""
-    if processors:
-        logits = apply_logits_processors(logits, params)
+    token sampling will pick there."""
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy
@@ -69,18 +134,6 @@ def read_host(host: torch.Tensor, ready: torch.cuda.Event | None) -> list:
     if ready is not None:
         ready.synchronize()
     return host.tolist()
-
-
-def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each request's processors see its row and may replace it (a copy: the caller's logits,
-    e.g. the draft rows of a sparse step, stay as they are)."""
-    if not any(p.logits_processors for p in params):
-        return logits
-    logits = logits.clone()
-    for i, p in enumerate(params):
-        for process in p.logits_processors:
-            logits[i] = process(logits[i])
-    return logits
 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -36,6 +36,13 @@ class Sequence:
     sparse: object = None  # WorkingSet once the request decodes sparse
     host_extent: object = None  # its reservation in the host KV pool
     convert_early: bool = False  # the scheduler converts it to sparse now, instead of a preemption
+    # What sampling records and needs (oasiskv.engine.logprobs, oasiskv.engine.penalties):
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked
+    min_tokens_stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens exist
+    token_counts: object = None  # TokenCounts, for penalties
+    error: str | None = None  # its own work (sampling, stop check, output) failed: why
     _page_cache: tuple | None = field(default=None, repr=False)  # (the list, its int64 array)
 
     @property

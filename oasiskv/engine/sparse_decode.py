@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample, to_host
+from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample_requests, to_host
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse.decode_step import SparseDecodeStep
@@ -82,12 +82,11 @@ class SparseDecodeMixin:
         if meta.hooks.rows:  # the in-line path's bytes and hits are counted as each layer applies them
             m.count_step({})
         hooks, Q = meta.hooks, meta.query_len
-        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
         if hooks.drafter == "oracle" and hooks.rows:
             # Evaluation only: a first pass finds the true next token, the second uses it as draft.
             hooks.prefetch = False
             hidden = self.model(ids, positions, self.kv_caches, meta)
-            tokens = sample(self.model.compute_logits(hidden[::Q]), params, gens).tolist()
+            tokens = sample_requests(self.model.compute_logits(hidden[::Q]), seqs).tolist()
             for r in hooks.rows:
                 ids[r.batch_index * Q + 1] = tokens[r.batch_index]
                 r.ws.draft = tokens[r.batch_index]
@@ -97,7 +96,7 @@ class SparseDecodeMixin:
         else:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
-            tokens, guesses = self._sample_with_lookahead(seqs, logits[::Q], logits[1::Q])
+            tokens, guesses = self._sample_with_lookahead(seqs, logits[::Q], logits[1::Q], ids[1::Q])
         for r in hooks.rows:
             m.write_through(r.ws, r.cached)
             self._advance(r.ws, hooks.drafter, tokens[r.batch_index], guesses[r.batch_index])
@@ -112,8 +111,7 @@ class SparseDecodeMixin:
             if self.needs_sparse_step(dense):  # one of them converts after this step
                 got = self.run_sparse_decode(dense)
             else:
-                got = sample(self.model.compute_logits(self.run_decode(dense)), [s.params for s in dense],
-                             [s.generator for s in dense]).tolist()
+                got = sample_requests(self.model.compute_logits(self.run_decode(dense)), dense).tolist()
             tokens.update(zip(map(id, dense), got))
         tokens.update(zip(map(id, sparse), self.run_pipeline_decode(sparse)))
         return [tokens[id(s)] for s in seqs]
@@ -149,7 +147,7 @@ class SparseDecodeMixin:
         p.active[:bucket].copy_(active)
         hidden = step.run(row_ids.view(-1))
         logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
-        tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2])
+        tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2], ids[:, 1])
         drafts = p.advance_drafts(self.sparse.cfg.drafter, rows, ids[:, 1], tokens, guesses)
         pairs = torch.stack([tokens, drafts], 1)
         # The host copy carries the step's clock stamps and counters after the pairs (`read_step`).
@@ -196,32 +194,33 @@ class SparseDecodeMixin:
             ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)
 
     def _sample_with_lookahead(self, seqs: list[Sequence], token_logits: torch.Tensor,
-                               draft_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+                               draft_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], list[int]]:
         """`_lookahead_samples`, read back to the host in one copy."""
-        tokens, guesses = torch.stack(self._lookahead_samples(seqs, token_logits, draft_logits)).tolist()
+        tokens, guesses = torch.stack(self._lookahead_samples(seqs, token_logits, draft_logits, drafts)).tolist()
         return tokens, guesses
 
     def _lookahead_samples(self, seqs: list[Sequence], token_logits: torch.Tensor,
-                           draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           draft_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A two-row step's tokens (real rows) and guesses (draft rows: the next draft if the
         chain holds), on the device. A sampled sparse request draws each position's noise one
         step early (`ws.noise`, see `sample`): its draft row samples with the noise its real row
         will use at the next step, so while the chain holds the draft is the very token sampling
         will pick, as the argmax is under greedy. Each request's stream of draws keeps its order
-        (one position after another), so a seeded request samples as it does in dense decode."""
-        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
-        if all(p.greedy for p in params):
-            return sample(token_logits, params, gens), draft_logits.argmax(-1)
+        (one position after another), so a seeded request samples as it does in dense decode.
+        The draft row gets the request's penalties, bias and min_tokens as they will stand once
+        its draft (`drafts`, the draft rows' input tokens) is generated, for the same reason."""
+        if all(s.params.greedy for s in seqs):
+            return sample_requests(token_logits, seqs), sample_requests(draft_logits, seqs, appended=drafts)
         vocab, dev = token_logits.shape[-1], token_logits.device
         held = [s.sparse.noise if s.sparse is not None else None for s in seqs]
         missing = [i for i, n in enumerate(held) if n is None]
         if missing:  # dense rows, and a request's first sparse step
-            for i, row in zip(missing, draw_noise([gens[i] for i in missing], vocab, dev)):
+            for i, row in zip(missing, draw_noise([seqs[i].generator for i in missing], vocab, dev)):
                 held[i] = row
-        tokens = sample(token_logits, params, gens, noise=torch.stack(held))
+        tokens = sample_requests(token_logits, seqs, noise=torch.stack(held))
         # The next position's noise; a dense row's own stream is left alone.
         ahead = draw_noise([s.generator if s.sparse is not None else None for s in seqs], vocab, dev)
-        guesses = sample(draft_logits, params, gens, noise=ahead, processors=False)
+        guesses = sample_requests(draft_logits, seqs, noise=ahead, appended=drafts)
         for s, row in zip(seqs, ahead):
             if s.sparse is not None:
                 s.sparse.noise = row
