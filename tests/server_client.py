@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -44,12 +45,13 @@ def stream_events(base: str, path: str, body: dict, timeout: float = 60) -> list
 
 
 def metrics(base: str) -> dict[str, float]:
-    """/metrics as {sample name (with labels): value}."""
+    """/metrics as {sample name (with labels but model_name): value}."""
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         text = r.read().decode()
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
+            name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")
             values[name] = float(value)
     return values
