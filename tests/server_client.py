@@ -52,6 +52,6 @@ def metrics(base: str) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")
+            name = re.sub(r',?model_name="[^"]*",?', ",", name).replace("{,", "{").replace(",}", "}").replace("{}", "")
             values[name] = float(value)
     return values
