@@ -14,10 +14,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def call(base: str, path: str, body: dict | bytes | None = None, timeout: float = 60) -> tuple[int, dict | str]:
+def call(base: str, path: str, body: dict | bytes | None = None, timeout: float = 60,
+         headers: dict | None = None) -> tuple[int, dict | str]:
     """(status, parsed JSON or text) of a GET (no body) or POST."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, raw = r.status, r.read().decode()
@@ -29,10 +30,11 @@ def call(base: str, path: str, body: dict | bytes | None = None, timeout: float 
         return status, raw
 
 
-def stream_events(base: str, path: str, body: dict, timeout: float = 60) -> list[dict | str]:
+def stream_events(base: str, path: str, body: dict, timeout: float = 60,
+                  headers: dict | None = None) -> list[dict | str]:
     """Every `data:` payload of a streamed response: parsed chunks, and the final "[DONE]"."""
     req = urllib.request.Request(base + path, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     events = []
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")

@@ -103,8 +103,10 @@ class Choice:
                 break
         self._engine_tokens = len(out.token_ids)
         error = getattr(out, "error", None)
-        if error:
-            return self._fail(f"the request failed in the engine: {error}")
+        if error:  # the engine's text names an exception: it goes to the log, not to the client
+            log.warning("request %s failed in the engine: %s", self.request_id, error)
+            return self._fail("the request failed in the engine (an internal error in its sampling); "
+                              "other requests are not affected")
         if self.text.stopped:
             self.finish_reason = "stop"
         elif out.finished:
