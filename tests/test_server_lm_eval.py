@@ -81,7 +81,7 @@ def test_lm_eval_loglikelihoods_equal_hf(base, hf, tmp_path):
     model, tok = hf
     samples = _evaluate(base, tmp_path, "oasiskv_tiny_mc")
     assert len(samples) == 10
-    worst = 0.0
+    worst, count = 0.0, 0
     for s in samples:
         doc = s["doc"]
         for choice, (got, _greedy) in zip(doc["choices"], s["filtered_resps"]):
@@ -90,7 +90,8 @@ def test_lm_eval_loglikelihoods_equal_hf(base, hf, tmp_path):
             with torch.no_grad():
                 logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
             want = sum(logp[i - 1, ids[i]].item() for i in range(len(ctx), len(ids)))
-            worst = max(worst, abs(float(got) - want))
+            worst, count = max(worst, abs(float(got) - want)), count + 1
+    print(f"lm-eval vs HF transformers: {count} loglikelihoods, largest difference {worst:.1e}")
     assert worst < 1e-3, worst
 
 
