@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_N = 16  # choices per prompt (n, best_of)
 MAX_PROMPTS = 256  # prompts in one batched completion request
+MAX_CHOICES = 256  # engine requests one HTTP request may start (prompts x best_of)
 MAX_STOP = 16  # stop strings
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]

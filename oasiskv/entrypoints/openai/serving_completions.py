@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from oasiskv.entrypoints.openai.choice import Choice
-from oasiskv.entrypoints.openai.protocol import APIError, CompletionRequest, error_body
+from oasiskv.entrypoints.openai.protocol import MAX_CHOICES, APIError, CompletionRequest, error_body
 from oasiskv.entrypoints.openai.serving import OpenAIServing, sse
 
 log = logging.getLogger("oasiskv.server")
@@ -53,6 +53,9 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     if req.max_tokens == 0 and not req.echo:
         raise APIError(400, "`max_tokens` must be at least 1 (0 only with `echo`)", param="max_tokens")
     prompts = req.prompts()
+    if len(prompts) * best_of > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x {best_of} choices is more than {MAX_CHOICES} engine requests "
+                            "in one request", param="n")
     prompt_ids = [p if isinstance(p, list) else await serving.encode(p) for p in prompts]
     for ids in prompt_ids:
         if any(t >= serving.vocab_size for t in ids):
