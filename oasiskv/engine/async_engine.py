@@ -85,6 +85,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    reason: str = "abort"  # "stop" when the front end ended it at a stop string
 
 
 class _Stop:
@@ -138,9 +139,10 @@ class AsyncEngine:
         stream.accepted.result()
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Safe from any thread; a no-op for a request that already finished."""
-        self._commands.put(_Abort(request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Safe from any thread; a no-op for a request that already finished. `reason` is what
+        the metrics count it as."""
+        self._commands.put(_Abort(request_id, reason))
 
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -178,7 +180,7 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
-                self._abort(cmd.request_id)
+                self._abort(cmd.request_id, cmd.reason)
 
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
@@ -190,13 +192,13 @@ class AsyncEngine:
         self._streams[rid] = cmd.stream
         cmd.stream.accept()
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
         if self._streams.pop(request_id, None) is None:
             return  # finished already (or never accepted)
         self._last_output.pop(request_id, None)
         self.engine.abort(request_id)  # frees its GPU pages and host extent now
         if self.metrics is not None:
-            self.metrics.observe_abort()
+            self.metrics.observe_abort(reason)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()

@@ -141,5 +141,5 @@ class ServerMetrics:
             self.sparse_hit_rate.set(self._hits / self._predicted if self._predicted else 0.0)
             self.sparse_stall.inc(st.get("pipeline_stall_s", 0.0))
 
-    def observe_abort(self) -> None:
-        self.success("abort").inc()
+    def observe_abort(self, reason: str = "abort") -> None:
+        self.success(reason).inc()

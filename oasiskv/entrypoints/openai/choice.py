@@ -76,8 +76,8 @@ class Choice:
             yield self._fail("internal error while producing this choice")
         finally:
             self.live.discard(self)
-            if self.stream is not None and not self.stream.finished:
-                self.engine.abort(self.request_id)
+            if self.stream is not None and not self.stream.finished:  # a stop string, or cut short
+                self.engine.abort(self.request_id, "stop" if self.finish_reason == "stop" else "abort")
 
     async def run(self) -> "Choice":
         """Consume every update (non-streaming responses)."""
