@@ -171,7 +171,6 @@ def begin_shutdown(app: FastAPI, timeout: float) -> None:
     draining.stopping = True
 
     def deadline():
-        draining.deadline = True
         app.state.serving.interrupt_all(ServerStopping(
             f"the server is shutting down and this request did not finish within {timeout:g} s"))
 

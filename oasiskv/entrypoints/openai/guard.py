@@ -22,11 +22,10 @@ OPEN_PATHS = ("/health", "/metrics")
 
 
 class Draining:
-    """Shutdown state: `stopping` from SIGTERM on; `deadline` once --shutdown-timeout has passed."""
+    """Shutdown state: `stopping` from SIGTERM on (api_server.begin_shutdown)."""
 
     def __init__(self):
         self.stopping = False
-        self.deadline = False
 
 
 async def send_error(send, status: int, message: str, type: str, code: str | None = None,
