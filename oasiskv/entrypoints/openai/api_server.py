@@ -208,7 +208,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             http=header_timeout_protocol(args.header_timeout),
-                            timeout_keep_alive=args.timeout_keep_alive, h11_max_incomplete_event_size=64 << 10,
+                            timeout_keep_alive=args.timeout_keep_alive, h11_max_incomplete_event_size=16 << 10,
                             # the streams get their error events at --shutdown-timeout; this is the backstop
                             timeout_graceful_shutdown=args.shutdown_timeout + 10)
     server = Server(config)
