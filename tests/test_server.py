@@ -513,3 +513,27 @@ def test_best_of_and_penalties(base):
                                                  "repetition_penalty": 1.2, "min_tokens": 2,
                                                  "logit_bias": {"28120": 5.0}})
     assert status == 200, got
+
+
+@needs_logprobs
+def test_openai_client_logprobs(base, llm):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused")
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text and all(x <= 0 for x in lp.token_logprobs)
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4,
+                                         temperature=0, logprobs=2, stream=True)
+    assert [t for c in streamed for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=4,
+                                              temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    got = [c.logprob for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+           for c in chunk.choices[0].logprobs.content]
+    assert got == [c.logprob for c in content]
