@@ -537,3 +537,25 @@ def test_openai_client_logprobs(base, llm):
     got = [c.logprob for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
            for c in chunk.choices[0].logprobs.content]
     assert got == [c.logprob for c in content]
+
+
+def test_stream_closed_before_its_first_byte_is_aborted(base):
+    """A client that hangs up right after sending, before reading a byte: both of its engine
+    requests are aborted."""
+    import socket
+
+    aborted_before = metrics(base).get('oasiskv:request_success_total{finished_reason="abort"}', 0)
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 2}).encode()
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(base)
+        if m.get('oasiskv:request_success_total{finished_reason="abort"}', 0) - aborted_before == 2 \
+                and m["oasiskv:num_requests_running"] == 0 and m["oasiskv:gpu_pages_used"] == 0:
+            break
+        time.sleep(0.2)
+    assert m['oasiskv:request_success_total{finished_reason="abort"}'] - aborted_before == 2
+    assert m["oasiskv:num_requests_running"] == 0 and m["oasiskv:gpu_pages_used"] == 0

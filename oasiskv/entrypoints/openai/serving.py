@@ -12,7 +12,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from oasiskv.engine.async_engine import AsyncEngine, EngineStopped
 from oasiskv.entrypoints.openai.choice import Choice, ChoiceUpdate
@@ -26,6 +26,22 @@ SEED_MOD = 2**63
 
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose choices are released however the response ends. The event
+    generator's own cleanup covers most ends, but not a cancellation that lands before its first
+    step (while the response's headers are sent): then it never ran."""
+
+    def __init__(self, events, serving: "OpenAIServing", choices: list[Choice]):
+        super().__init__(events, media_type="text/event-stream")
+        self.serving, self.choices = serving, choices
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.serving.release(self.choices)
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -186,6 +202,10 @@ class OpenAIServing:
         for c in choices:
             self.live.discard(c)
             self.engine.abort(c.request_id)
+
+    def release(self, choices: list[Choice]) -> None:
+        """Abort the choices whose engine request has not finished (a no-op for the others)."""
+        self._abort([c for c in choices if c.stream is None or not c.stream.finished])
 
     async def collect(self, choices: list[Choice], raw: Request) -> list[Choice]:
         """Run every choice to its end; abort them all if the client disconnects first; a failed

@@ -7,11 +7,10 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from oasiskv.entrypoints.openai.choice import Choice
 from oasiskv.entrypoints.openai.protocol import APIError, ChatCompletionRequest, error_body
-from oasiskv.entrypoints.openai.serving import OpenAIServing, sse
+from oasiskv.entrypoints.openai.serving import EventStream, OpenAIServing, sse
 
 log = logging.getLogger("oasiskv.server")
 
@@ -45,7 +44,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.model_name}
     if req.stream:
         head["object"] = "chat.completion.chunk"
-        return StreamingResponse(_events(serving, req, head, choices, len(ids), top), media_type="text/event-stream")
+        return EventStream(_events(serving, req, head, choices, len(ids), top), serving, choices)
 
     await serving.collect(choices, raw)
     body = [{"index": c.index, "message": {"role": "assistant", "content": c.text.text},

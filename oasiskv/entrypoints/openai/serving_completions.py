@@ -12,11 +12,10 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from oasiskv.entrypoints.openai.choice import Choice
 from oasiskv.entrypoints.openai.protocol import MAX_CHOICES, APIError, CompletionRequest, error_body
-from oasiskv.entrypoints.openai.serving import OpenAIServing, sse
+from oasiskv.entrypoints.openai.serving import EventStream, OpenAIServing, sse
 
 log = logging.getLogger("oasiskv.server")
 
@@ -75,7 +74,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     choices = await serving.start(specs)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name}
     if req.stream:
-        return StreamingResponse(_events(serving, req, head, choices, prompt_ids), media_type="text/event-stream")
+        return EventStream(_events(serving, req, head, choices, prompt_ids), serving, choices)
 
     await serving.collect(choices, raw)
     kept = []
