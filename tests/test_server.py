@@ -559,3 +559,13 @@ def test_stream_closed_before_its_first_byte_is_aborted(base):
         time.sleep(0.2)
     assert m['oasiskv:request_success_total{finished_reason="abort"}'] - aborted_before == 2
     assert m["oasiskv:num_requests_running"] == 0 and m["oasiskv:gpu_pages_used"] == 0
+
+
+def test_prompt_too_long_to_fit_is_refused_before_tokenizing(base):
+    """180K characters cannot fit 512 tokens (no token stands for more than 81 characters): a 400
+    from the text's length, not from its token count; /tokenize still takes long texts."""
+    status, got = call(base, "/v1/completions", {"prompt": "x " * 90_000, "max_tokens": 2})
+    assert status == 400 and got["error"]["code"] == "context_length_exceeded" and got["error"]["param"] == "prompt"
+    assert "180000 characters" in got["error"]["message"]
+    status, got = call(base, "/tokenize", {"prompt": "a b " * 20_000})
+    assert status == 200 and got["count"] > 512

@@ -139,9 +139,9 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, a
             raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
         if req.messages is not None:
             text = await serving.chat_prompt(req.messages, req.add_generation_prompt)
-            ids = await serving.encode(text, "messages")  # the template holds the special tokens
-        else:
-            ids = await serving.encode(req.prompt, "prompt", req.add_special_tokens)
+            ids = await serving.encode(text, "messages", must_fit=False)  # the template holds the special tokens
+        else:  # clients such as lm-eval tokenize long texts and truncate them themselves
+            ids = await serving.encode(req.prompt, "prompt", req.add_special_tokens, must_fit=False)
         strs = [serving.tokenizer.convert_ids_to_tokens(t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": strs}
 

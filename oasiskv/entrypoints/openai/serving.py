@@ -63,6 +63,10 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         # One worker: HF tokenizers are not safe to call from several threads at once.
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="oasiskv-tokenizer")
+        # The longest text one token can stand for: a text longer than max_model_len of them
+        # cannot fit, and is refused without spending the tokenizer's time on it.
+        self.max_token_chars = max((len(t) for t in self.tokenizer.convert_ids_to_tokens(
+            list(range(len(self.tokenizer))))), default=1) if self.tokenizer is not None else 1
         self.live: set[Choice] = set()  # choices generating now (the shutdown deadline ends them)
 
     # ---- checks -------------------------------------------------------------------------
@@ -153,8 +157,14 @@ class OpenAIServing:
             raise APIError(400, "this model has no tokenizer (dummy weights): send token ids", param=param)
         return self.tokenizer
 
-    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = False,
+                     must_fit: bool = True) -> list[int]:
+        """Token ids; with `must_fit`, a text too long for the model is a 400 before any tokenizing."""
         tok = self._need_tokenizer(param)
+        if must_fit and len(text) > self.max_model_len * self.max_token_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
+                                f"{len(text)} characters of the {param} cannot fit in it.",
+                           param=param, code="context_length_exceeded")
         return await self._in_pool(lambda: tok.encode(text, add_special_tokens=add_special_tokens))
 
     async def decode(self, ids: list[int]) -> str:
