@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -13,10 +14,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def call(base: str, path: str, body: dict | bytes | None = None, timeout: float = 60) -> tuple[int, dict | str]:
+def call(base: str, path: str, body: dict | bytes | None = None, timeout: float = 60,
+         headers: dict | None = None) -> tuple[int, dict | str]:
     """(status, parsed JSON or text) of a GET (no body) or POST."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, raw = r.status, r.read().decode()
@@ -28,10 +30,11 @@ def call(base: str, path: str, body: dict | bytes | None = None, timeout: float 
         return status, raw
 
 
-def stream_events(base: str, path: str, body: dict, timeout: float = 60) -> list[dict | str]:
+def stream_events(base: str, path: str, body: dict, timeout: float = 60,
+                  headers: dict | None = None) -> list[dict | str]:
     """Every `data:` payload of a streamed response: parsed chunks, and the final "[DONE]"."""
     req = urllib.request.Request(base + path, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     events = []
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -44,12 +47,13 @@ def stream_events(base: str, path: str, body: dict, timeout: float = 60) -> list
 
 
 def metrics(base: str) -> dict[str, float]:
-    """/metrics as {sample name (with labels): value}."""
+    """/metrics as {sample name (with labels but model_name): value}."""
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         text = r.read().decode()
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
+            name = re.sub(r',?model_name="[^"]*",?', ",", name).replace("{,", "{").replace(",}", "}").replace("{}", "")
             values[name] = float(value)
     return values

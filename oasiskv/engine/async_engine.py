@@ -1,10 +1,15 @@
 """The engine behind the server: `LLMEngine.step()` runs in its own thread, requests come and go
 through queues, and each request's tokens stream back to the asyncio loop that asked for them.
 
-Only the engine thread touches the engine (and its tokenizer). The event loop sends commands
+Only the engine thread touches the engine. Requests arrive as token ids (the server tokenizes
+on the asyncio side), so the thread spends its time on steps. The event loop sends commands
 (add, abort, stop) through a thread-safe queue; the engine thread answers through
 `loop.call_soon_threadsafe`, so nothing is shared but the two queues. Torch releases the GIL
 inside its kernels, so HTTP handling goes on while a step runs.
+
+A request whose own work failed in the engine comes back as an output with `error` set; only
+an exception out of `step()` itself (a fault of the engine: the model, the device) stops the
+thread. Then every request fails, `is_running` turns False and `on_death` is called.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from oasiskv.engine.llm_engine import LLMEngine, RequestOutput
@@ -42,6 +48,10 @@ class RequestStream:
     def put(self, item: RequestOutput | Exception) -> None:
         self.loop.call_soon_threadsafe(self._outputs.put_nowait, item)
 
+    # Called on the event loop: the stream ends with `error` at its next read.
+    def fail(self, error: Exception) -> None:
+        self._outputs.put_nowait(error)
+
     def _settle(self, error: Exception | None) -> None:
         if self.accepted.done():
             return
@@ -67,7 +77,7 @@ class RequestStream:
 
 @dataclass
 class _Add:
-    prompt: str | list[int]
+    prompt: list[int]
     params: SamplingParams
     stream: RequestStream
 
@@ -75,6 +85,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    reason: str = "abort"  # "stop" when the front end ended it at a stop string
 
 
 class _Stop:
@@ -84,10 +95,12 @@ class _Stop:
 class AsyncEngine:
     """`await engine.add_request(...)` -> RequestStream; `engine.abort(id)` frees it at once."""
 
-    def __init__(self, engine: LLMEngine, metrics=None):
+    def __init__(self, engine: LLMEngine, metrics=None, on_death=None):
         self.engine = engine
         self.metrics = metrics  # ServerMetrics, told about every step and finished request
+        self.on_death = on_death  # called (from the engine thread) once a fault has stopped it
         self.error: BaseException | None = None  # why the engine thread died, if it did
+        self._last_output: dict[str, float] = {}  # request id -> when its last output left
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread = threading.Thread(target=self._run, name="oasiskv-engine", daemon=True)
@@ -98,6 +111,8 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._thread.start()
+        if self.metrics is not None:
+            self.metrics.set_engine_alive(True)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop after the current step; requests still inside get EngineStopped."""
@@ -105,7 +120,7 @@ class AsyncEngine:
             self._commands.put(_Stop())
             self._thread.join(timeout)
 
-    async def add_request(self, prompt: str | list[int], params: SamplingParams,
+    async def add_request(self, prompt: list[int], params: SamplingParams,
                           request_id: str) -> RequestStream:
         if not self.is_running:
             raise EngineStopped("the engine is not running")
@@ -124,9 +139,10 @@ class AsyncEngine:
         stream.accepted.result()
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Safe from any thread; a no-op for a request that already finished."""
-        self._commands.put(_Abort(request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Safe from any thread; a no-op for a request that already finished. `reason` is what
+        the metrics count it as."""
+        self._commands.put(_Abort(request_id, reason))
 
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -140,12 +156,16 @@ class AsyncEngine:
                     self._deliver(self.engine.step())
                 if self.metrics is not None:
                     self.metrics.observe_engine(self.engine)
-        except BaseException as e:  # a bug in a step: fail every request rather than hang them
+        except BaseException as e:  # a fault of the engine: fail every request rather than hang them
             log.exception("engine thread died")
             self.error = e
         finally:
-            self._fail_all(EngineStopped(f"the engine stopped ({self.error!r})" if self.error
+            self._fail_all(EngineStopped("the engine stopped after an internal error" if self.error
                                          else "the server is shutting down"))
+            if self.metrics is not None:
+                self.metrics.set_engine_alive(False)
+            if self.error is not None and self.on_death is not None:
+                self.on_death()
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once told to stop."""
@@ -160,7 +180,7 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
-                self._abort(cmd.request_id)
+                self._abort(cmd.request_id, cmd.reason)
 
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
@@ -172,23 +192,28 @@ class AsyncEngine:
         self._streams[rid] = cmd.stream
         cmd.stream.accept()
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
         if self._streams.pop(request_id, None) is None:
             return  # finished already (or never accepted)
+        self._last_output.pop(request_id, None)
         self.engine.abort(request_id)  # frees its GPU pages and host extent now
         if self.metrics is not None:
-            self.metrics.observe_abort()
+            self.metrics.observe_abort(reason)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             stream.put(out)
+            last = self._last_output.get(out.request_id)
             if self.metrics is not None:
-                self.metrics.observe_output(out)
+                self.metrics.observe_output(out, None if last is None else now - last)
+            self._last_output[out.request_id] = now
             if out.finished:
                 del self._streams[out.request_id]
+                del self._last_output[out.request_id]
 
     def _fail_all(self, error: Exception) -> None:
         for rid, stream in list(self._streams.items()):
@@ -198,6 +223,7 @@ class AsyncEngine:
                 pass
             stream.put(error)
         self._streams.clear()
+        self._last_output.clear()
         # Requests handed in after the stop never reach the engine: refuse them too.
         while True:
             try:

@@ -53,7 +53,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     finished: bool
-    metrics: dict = field(default_factory=dict)  # ttft, tpot, e2el (seconds), preemptions
+    metrics: dict = field(default_factory=dict)  # queue/prefill/decode time, ttft, tpot, e2el (s), preemptions
     stats: dict = field(default_factory=dict)
     # Asked for with SamplingParams.logprobs / prompt_logprobs (else None): per generated token,
     # {token id: logprob} holding it and the top-n; per prompt token the same, [0] is None.
@@ -163,6 +163,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        for seq in batch.seqs:  # the end of its queue time
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
         if self.async_scheduling and not batch.is_prefill and self._overlappable(batch.seqs):
             self._in_flight = InFlight.launch(self.runner, batch)
             return self._read_in_flight()
@@ -325,12 +328,17 @@ class LLMEngine:
             if seq.stop_text_len is not None:
                 text = text[:seq.stop_text_len]
         metrics = {"num_preemptions": seq.num_preemptions}
+        if seq.first_scheduled_time is not None:
+            metrics["queue_time"] = seq.first_scheduled_time - seq.arrival_time
         if seq.first_token_time is not None:
             metrics["ttft"] = seq.first_token_time - seq.arrival_time
+            if seq.first_scheduled_time is not None:
+                metrics["prefill_time"] = seq.first_token_time - seq.first_scheduled_time
         if seq.finish_time is not None:
             metrics["e2el"] = seq.finish_time - seq.arrival_time
             n = len(seq.output_token_ids)
             metrics["tpot"] = (seq.finish_time - seq.first_token_time) / (n - 1) if n > 1 else 0.0
+            metrics["decode_time"] = seq.finish_time - seq.first_token_time
         stats = {}
         if seq.sparse is not None:
             ws = seq.sparse

@@ -29,6 +29,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_text_len: int | None = None  # where a stop string cut the text
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None  # when it first got a place in a batch
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

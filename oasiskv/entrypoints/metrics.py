@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server (`GET /metrics`), named after vLLM's with an `oasiskv:` prefix.
+"""Prometheus metrics of the server (`GET /metrics`), named after vLLM's with an `oasiskv:` prefix
+and a `model_name` label.
 
 Gauges are refreshed by the engine thread after every step; counters and histograms are fed
 as outputs leave the engine. Each server owns its registry, so several can live in one process.
@@ -13,54 +14,71 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
                  0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+
+
 class ServerMetrics:
+    """Every metric carries a `model_name` label (the served name), as vLLM's do. Add a metric
+    with `self._add(kind, name, help)`: it comes back bound to this server's model name."""
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self):
-        r = self.registry = CollectorRegistry()
-        p = "oasiskv:"
-        self.running = Gauge(p + "num_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for pages or host-pool room.",
-                             registry=r)
-        self.gpu_pages_total = Gauge(p + "gpu_pages_total", "KV pages in the GPU pool.", registry=r)
-        self.gpu_pages_used = Gauge(p + "gpu_pages_used", "KV pages held by requests (dense page tables "
-                                    "and sparse working sets).", registry=r)
-        self.gpu_usage = Gauge(p + "gpu_cache_usage_perc", "Fraction of GPU KV pages in use (1 = full).",
-                               registry=r)
-        self.host_bytes_total = Gauge(p + "host_pool_bytes_total", "Size of the host KV pool (0 without "
-                                      "--sparse).", registry=r)
-        self.host_bytes_used = Gauge(p + "host_pool_bytes_used", "Host KV pool bytes reserved by sparse "
-                                     "requests (their full KV).", registry=r)
-        self.host_usage = Gauge(p + "host_pool_usage_perc", "Fraction of the host KV pool in use.", registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled prompt tokens.", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
-        self.success = Counter(p + "request_success", "Finished requests, by finish reason "
-                               "(stop, length, abort).", ["finished_reason"], registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (arrival in the "
-                              "engine to first token).", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "Time per output token after the "
-                              "first, per request.", buckets=_TPOT_BUCKETS, registry=r)
-        self.e2el = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency in the "
-                              "engine.", buckets=_LATENCY_BUCKETS, registry=r)
+    def __init__(self, model_name: str = "SmolLM2-135M-Instruct"):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        add = self._add
+        self.engine_alive = add(Gauge, "engine_alive", "1 while the engine runs; 0 once it stopped (a fault, or "
+                                "the shutdown).")
+        self.running = add(Gauge, "num_requests_running", "Requests in the running batch.")
+        self.waiting = add(Gauge, "num_requests_waiting", "Requests waiting for pages or host-pool room.")
+        self.gpu_pages_total = add(Gauge, "gpu_pages_total", "KV pages in the GPU pool.")
+        self.gpu_pages_used = add(Gauge, "gpu_pages_used", "KV pages held by requests (dense page tables "
+                                  "and sparse working sets).")
+        self.kv_usage = add(Gauge, "kv_cache_usage_perc", "Fraction of GPU KV pages in use (1 = full).")
+        self.gpu_usage = add(Gauge, "gpu_cache_usage_perc", "The same as kv_cache_usage_perc (vLLM's older name).")
+        self.host_bytes_total = add(Gauge, "host_pool_bytes_total", "Size of the host KV pool (0 without --sparse).")
+        self.host_bytes_used = add(Gauge, "host_pool_bytes_used", "Host KV pool bytes reserved by sparse "
+                                   "requests (their full KV).")
+        self.host_usage = add(Gauge, "host_pool_usage_perc", "Fraction of the host KV pool in use.")
+        self.prompt_tokens = add(Counter, "prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = add(Counter, "generation_tokens", "Generated tokens.")
+        self.preemptions = add(Counter, "num_preemptions", "Requests preempted (KV dropped, recomputed "
+                               "later) since the server started.")
+        self._success = Counter("oasiskv:request_success", "Finished requests, by finish reason (stop, "
+                                "length, abort, error).", ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = add(Histogram, "time_to_first_token_seconds", "Time to first token (arrival in the "
+                        "engine to first token).", buckets=_LATENCY_BUCKETS)
+        self.tpot = add(Histogram, "time_per_output_token_seconds", "Time per output token after the first, "
+                        "per request.", buckets=_TPOT_BUCKETS)
+        self.itl = add(Histogram, "inter_token_latency_seconds", "Time between two outputs of one request.",
+                       buckets=_TPOT_BUCKETS)
+        self.e2el = add(Histogram, "e2e_request_latency_seconds", "End-to-end request latency in the engine.",
+                        buckets=_LATENCY_BUCKETS)
+        self.queue_time = add(Histogram, "request_queue_time_seconds", "Arrival in the engine to its first "
+                              "batch.", buckets=_LATENCY_BUCKETS)
+        self.prefill_time = add(Histogram, "request_prefill_time_seconds", "First batch to first token.",
+                                buckets=_LATENCY_BUCKETS)
+        self.decode_time = add(Histogram, "request_decode_time_seconds", "First token to the last.",
+                               buckets=_LATENCY_BUCKETS)
+        self.request_prompt_tokens = add(Histogram, "request_prompt_tokens", "Prompt tokens per finished "
+                                         "request.", buckets=_TOKEN_BUCKETS)
+        self.request_generation_tokens = add(Histogram, "request_generation_tokens", "Generated tokens per "
+                                             "finished request.", buckets=_TOKEN_BUCKETS)
         # Sparse requests: counted when a request that decoded sparse finishes.
-        self.sparse_requests = Counter(p + "sparse_requests", "Finished requests that decoded sparse.",
-                                       registry=r)
-        self.sparse_bytes = Counter(p + "sparse_host_to_gpu_bytes", "Host -> GPU bytes fetched into the "
-                                    "working sets of finished sparse requests.", registry=r)
-        self.sparse_predicted = Counter(p + "sparse_lookahead_predicted_blocks", "(layer, head, block) "
-                                        "items the lookahead predicted, finished sparse requests.", registry=r)
-        self.sparse_hits = Counter(p + "sparse_lookahead_hit_blocks", "Predicted items already resident "
-                                   "when the step needed them.", registry=r)
-        self.sparse_hit_rate = Gauge(p + "sparse_lookahead_hit_rate", "Lookahead hit rate over all "
-                                     "finished sparse requests (hits / predicted).", registry=r)
-        self.sparse_stall = Counter(p + "sparse_pipeline_stall_seconds", "Time the decode steps of finished "
-                                    "sparse requests waited at the end of the step for the prefetch "
-                                    "pipeline's streams, summed per request (CUDA pipeline only; the in-line "
-                                    "path on CPU runs its stages inside the step and reports 0).", registry=r)
-        self.preemptions = Counter(p + "num_preemptions", "Requests preempted (KV dropped, recomputed "
-                                   "later) since the server started.", registry=r)
+        self.sparse_requests = add(Counter, "sparse_requests", "Finished requests that decoded sparse.")
+        self.sparse_bytes = add(Counter, "sparse_host_to_gpu_bytes", "Host -> GPU bytes fetched into the "
+                                "working sets of finished sparse requests.")
+        self.sparse_predicted = add(Counter, "sparse_lookahead_predicted_blocks", "(layer, head, block) items "
+                                    "the lookahead predicted, finished sparse requests.")
+        self.sparse_hits = add(Counter, "sparse_lookahead_hit_blocks", "Predicted items already resident when "
+                               "the step needed them.")
+        self.sparse_hit_rate = add(Gauge, "sparse_lookahead_hit_rate", "Lookahead hit rate over all finished "
+                                   "sparse requests (hits / predicted).")
+        self.sparse_stall = add(Counter, "sparse_pipeline_stall_seconds", "Time the decode steps of finished "
+                                "sparse requests waited at the end of the step for the prefetch pipeline's "
+                                "streams, summed per request (CUDA pipeline only; the in-line path on CPU runs "
+                                "its stages inside the step and reports 0).")
         # Every sparse decode step, overlapped ones too (its figures are read with its tokens).
-        self.step_counters = {key: Counter(p + name, doc, registry=r) for key, name, doc in (
+        self.step_counters = {key: add(Counter, name, doc) for key, name, doc in (
             ("steps", "sparse_decode_steps", "Decode steps that ran sparse requests."),
             ("foreground_s", "sparse_step_foreground_seconds", "Foreground time of the sparse decode "
              "steps (their layers, before the join with the prefetch streams; CUDA pipeline)."),
@@ -71,10 +89,20 @@ class ServerMetrics:
              "(0 with --fetch-budget off); bytes / budget = the budget's use."),
             ("hits", "sparse_step_hit_blocks", "Predicted (layer, head, block) items already on the GPU."),
             ("predicted", "sparse_step_predicted_blocks", "Predicted (layer, head, block) items."))}
-        self.conversions = Counter(p + "sparse_conversions", "Requests converted from dense to sparse "
-                                   "(past the threshold, or instead of a preemption).", registry=r)
+        self.conversions = add(Counter, "sparse_conversions", "Requests converted from dense to sparse "
+                               "(past the threshold, or instead of a preemption).")
         self._seen: dict[str, float] = {}  # engine totals already added to the counters
         self._predicted = self._hits = 0  # running sums behind the hit-rate gauge
+
+    def _add(self, kind, name: str, documentation: str, **kwargs):
+        metric = kind("oasiskv:" + name, documentation, ["model_name"], registry=self.registry, **kwargs)
+        return metric.labels(model_name=self.model_name)
+
+    def success(self, finished_reason: str):
+        return self._success.labels(model_name=self.model_name, finished_reason=finished_reason)
+
+    def set_engine_alive(self, alive: bool) -> None:
+        self.engine_alive.set(1 if alive else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -88,6 +116,7 @@ class ServerMetrics:
         self.gpu_pages_total.set(bm.num_pages)
         self.gpu_pages_used.set(used)
         self.gpu_usage.set(used / bm.num_pages)
+        self.kv_usage.set(used / bm.num_pages)
         self._advance(self.preemptions, "preemptions", getattr(sched, "num_preemptions", 0))
         sparse = engine.runner.sparse
         if sparse is not None:
@@ -100,28 +129,32 @@ class ServerMetrics:
             self.host_bytes_used.set(host.bytes_used)
             self.host_usage.set(host.bytes_used / total if total else 0.0)
 
-    def _advance(self, counter: Counter, key: str, total: float) -> None:
+    def _advance(self, counter, key: str, total: float) -> None:
         """Bring a counter up to an engine total (engine totals only grow)."""
         seen = self._seen.get(key, 0)
         if total > seen:
             counter.inc(total - seen)
             self._seen[key] = total
 
-    def observe_output(self, out) -> None:
-        """One output = one new token of one request."""
+    def observe_output(self, out, since_last: float | None = None) -> None:
+        """One output = one new token of one request; `since_last`: seconds since its previous one."""
         self.generation_tokens.inc()
         if len(out.token_ids) == 1:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if since_last is not None:
+            self.itl.observe(since_last)
         if not out.finished:
             return
-        self.success.labels(finished_reason=out.finish_reason or "stop").inc()
+        self.success(out.finish_reason or "stop").inc()
         m = out.metrics
-        if "ttft" in m:
-            self.ttft.observe(m["ttft"])
-        if "e2el" in m:
-            self.e2el.observe(m["e2el"])
+        for key, histogram in (("ttft", self.ttft), ("e2el", self.e2el), ("queue_time", self.queue_time),
+                               ("prefill_time", self.prefill_time), ("decode_time", self.decode_time)):
+            if key in m:
+                histogram.observe(m[key])
         if len(out.token_ids) > 1 and "tpot" in m:
             self.tpot.observe(m["tpot"])
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(len(out.token_ids))
         st = out.stats
         if st:
             self.sparse_requests.inc()
@@ -133,5 +166,5 @@ class ServerMetrics:
             self.sparse_hit_rate.set(self._hits / self._predicted if self._predicted else 0.0)
             self.sparse_stall.inc(st.get("pipeline_stall_s", 0.0))
 
-    def observe_abort(self) -> None:
-        self.success.labels(finished_reason="abort").inc()
+    def observe_abort(self, reason: str = "abort") -> None:
+        self.success(reason).inc()

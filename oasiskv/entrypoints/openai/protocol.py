@@ -1,16 +1,24 @@
 """The OpenAI wire format: request bodies (validated by pydantic) and the error body.
 
-Only what the engine can honour is accepted: one choice per request (`n` = 1), no logprobs.
-Extensions vLLM users know are accepted too: `top_k`, `ignore_eos`, `stop_token_ids`, and a
-completion `prompt` given as a list of token ids (so dummy-weight models need no tokenizer).
+Models are strict, as vLLM's are: a string is never read as a number or a bool, NaN and
+infinity are refused, every number has bounds, and an unknown top-level field is a 400 naming it
+(a typo such as `max_token` would otherwise be ignored silently). Fields OpenAI defines that the
+server does not implement are declared, so the 400 can say "not supported" instead of "unknown".
+Bounds that depend on the model (vocabulary, model length) are checked in serving.py.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from oasiskv.sampling_params import SamplingParams
+MAX_N = 16  # choices per prompt (n, best_of)
+MAX_PROMPTS = 256  # prompts in one batched completion request
+MAX_CHOICES = 256  # engine requests one HTTP request may start (prompts x best_of)
+MAX_STOP = 16  # stop strings
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MIN_TEMPERATURE = 1e-5  # below it logits / temperature overflow and sampling turns NaN
 
 
 class APIError(Exception):
@@ -30,61 +38,112 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class StreamOptions(BaseModel):
+def _no_lone_surrogates(s: str) -> str:
+    """JSON's \\ud83d escape without its pair decodes to a str no tokenizer can encode."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Count = Annotated[int, Field(ge=1, le=MAX_N)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+# Fields OpenAI or vLLM define that are refused with a 400 naming them (see serving.check_supported).
+NOT_SUPPORTED = ("response_format", "tools", "tool_choice", "functions", "function_call",
+                 "parallel_tool_calls", "suffix", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar", "prompt_logprobs", "include_stop_str_in_output", "audio", "modalities",
+                 "prediction", "store", "metadata", "reasoning_effort", "web_search_options",
+                 "service_tier")
+
+
+class _SamplingFields(_Strict):
     """Fields both endpoints share."""
-    model: str | None = None  # None = the one model this server holds (as vLLM)
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    model: Text | None = None  # None = the one model this server holds (as vLLM)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1  # <= the vocabulary: checked in serving
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None  # choice i of n takes seed + i (mod 2^63)
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as text) -> bias
+    n: Count = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | bool | None = None
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams, with its ValueError turned into a 400 that names the bad field."""
-        if self.n != 1:
-            raise APIError(400, f"only n=1 is supported, got n={self.n}", param="n")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        try:
-            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                  max_tokens=max_tokens, seed=self.seed, stop=self.stop,
-                                  stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
-        except ValueError as e:
-            message = str(e)
-            # SamplingParams' messages start with the field's name ("temperature must be >= 0 ...").
-            param = next((f for f in ("max_tokens", "temperature", "top_p", "top_k", "stop")
-                          if message.startswith(f)), None)
-            raise APIError(400, message, param=param, code="invalid_value") from None
+    user: Text | None = None  # an end-user id for the caller's logs; it changes no output
+    # Declared only to be refused by name (serving.check_supported).
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    prompt_logprobs: Any = None
+    include_stop_str_in_output: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    store: Any = None
+    metadata: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    service_tier: Any = None
+    suffix: Any = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]  # one prompt: text, or token ids
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    # One prompt (text or token ids) or a batch of them (texts or token-id lists).
+    prompt: (Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # OpenAI's default; 0 only with echo
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: Count | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[TextPart] | None = None
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -93,9 +152,26 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a completion `prompt`, or chat `messages` through the template."""
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: Text | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -1,50 +1,51 @@
-"""Completions and chat completions: a request body in, the engine's outputs out as one JSON
-response or as server-sent events (`data: {chunk}` lines, then `data: [DONE]`), as OpenAI sends.
+"""What both generation endpoints share: checks that need the model (vocabulary, length),
+tokenizing in a worker thread, SamplingParams per choice, submitting the choices, and
+collecting them (one JSON response) or merging their updates (server-sent events).
 
 A request whose client goes away is aborted at once, so its pages and host extent come back.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import time
-import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from oasiskv.engine.async_engine import AsyncEngine, EngineStopped, RequestStream
-from oasiskv.engine.llm_engine import RequestOutput
-from oasiskv.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from oasiskv.engine.async_engine import AsyncEngine, EngineStopped
+from oasiskv.entrypoints.openai.choice import Choice, ChoiceUpdate
+from oasiskv.entrypoints.openai.protocol import (MIN_TEMPERATURE, NOT_SUPPORTED, APIError, ChatMessage,
+                                                 _SamplingFields)
+from oasiskv.sampling_params import SamplingParams
 
-
-class TextDeltas:
-    """Turns each output's full text into the new piece to send. Holds back what may still
-    change: a trailing half of a UTF-8 character (decoded as U+FFFD) and, while stop strings are
-    set, the characters that could be the start of one (the engine cuts a stop string out)."""
-
-    def __init__(self, stop: list[str]):
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0
-
-    def next(self, out: RequestOutput) -> str:
-        text = out.text
-        if not out.finished:
-            text = text.rstrip("\ufffd")
-            text = text[:len(text) - self.hold] if self.hold else text
-        if len(text) <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent:], len(text)
-        return delta
-
-
-def usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+SEED_MOD = 2**63
 
 
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose choices are released however the response ends. The event
+    generator's own cleanup covers most ends, but not a cancellation that lands before its first
+    step (while the response's headers are sent): then it never ran."""
+
+    def __init__(self, events, serving: "OpenAIServing", choices: list[Choice]):
+        super().__init__(events, media_type="text/event-stream")
+        self.serving, self.choices = serving, choices
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.serving.release(self.choices)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
 
 
 async def until_disconnected(request: Request) -> None:
@@ -58,135 +59,211 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.runner.model_config.vocab_size
         self.tokenizer = engine.engine.tokenizer
+        # One worker: HF tokenizers are not safe to call from several threads at once.
+        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="oasiskv-tokenizer")
+        # The longest text one token can stand for: a text longer than max_model_len of them
+        # cannot fit, and is refused without spending the tokenizer's time on it.
+        self.max_token_chars = max((len(t) for t in self.tokenizer.convert_ids_to_tokens(
+            list(range(len(self.tokenizer))))), default=1) if self.tokenizer is not None else 1
+        self.live: set[Choice] = set()  # choices generating now (the shutdown deadline ends them)
 
-    # ---- the two endpoints --------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, raw: Request):
-        self._check_model(req.model)
-        # Without max_tokens the engine stops at the model length.
-        params = req.sampling_params(req.max_tokens if req.max_tokens is not None else self.max_model_len)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(req.prompt, params, rid)
-        created = int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-
-        def choice(text: str, out: RequestOutput) -> dict:
-            return {"index": 0, "text": text, "logprobs": None,
-                    "finish_reason": out.finish_reason if out.finished else None}
-
-        if not req.stream:
-            out = await self._last_output(stream, raw)
-            return {**head, "choices": [choice(out.text, out)], "usage": usage(out)}
-
-        async def events():
-            deltas, out = TextDeltas(params.stop), None
-            async for out in self._guarded(stream):
-                if isinstance(out, dict):  # an error after the stream began
-                    yield sse(out)
-                    break
-                yield sse({**head, "choices": [choice(deltas.next(out), out)]})
-            if req.include_usage and isinstance(out, RequestOutput):
-                yield sse({**head, "choices": [], "usage": usage(out)})
-            yield sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def chat(self, req: ChatCompletionRequest, raw: Request):
-        self._check_model(req.model)
-        prompt = self._apply_chat_template(req)
-        max_tokens = req.max_new_tokens if req.max_new_tokens is not None else self.max_model_len
-        params = req.sampling_params(max_tokens)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(prompt, params, rid)
-        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
-
-        if not req.stream:
-            out = await self._last_output(stream, raw)
-            message = {"role": "assistant", "content": out.text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}
-            return {**head, "choices": [choice], "usage": usage(out)}
-
-        head["object"] = "chat.completion.chunk"
-
-        def chunk(delta: dict, finish_reason: str | None = None) -> str:
-            return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                             "finish_reason": finish_reason}]})
-
-        async def events():
-            yield chunk({"role": "assistant", "content": ""})
-            deltas, out = TextDeltas(params.stop), None
-            async for out in self._guarded(stream):
-                if isinstance(out, dict):
-                    yield sse(out)
-                    break
-                yield chunk({"content": deltas.next(out)}, out.finish_reason if out.finished else None)
-            if req.include_usage and isinstance(out, RequestOutput):
-                yield sse({**head, "choices": [], "usage": usage(out)})
-            yield sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    # ---- shared steps -------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
+    # ---- checks -------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
-    def _apply_chat_template(self, req: ChatCompletionRequest) -> str:
-        tok = self.tokenizer
-        if tok is None or not tok.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def check_supported(self, req: _SamplingFields) -> None:
+        for name in NOT_SUPPORTED:
+            value = getattr(req, name, None)
+            if value is None or (name == "response_format" and value == {"type": "text"}):
+                continue
+            raise APIError(400, f"`{name}` is not supported by this server", param=name, code="unsupported_parameter")
+        if 0 < req.temperature < MIN_TEMPERATURE:
+            raise APIError(400, f"`temperature` must be 0 (greedy) or at least {MIN_TEMPERATURE}, got "
+                                f"{req.temperature}", param="temperature", code="invalid_value")
+        if req.top_k > self.vocab_size:
+            raise APIError(400, f"`top_k` must be -1 or 0 (off) or at most the vocabulary size {self.vocab_size}, "
+                                f"got {req.top_k}", param="top_k", code="invalid_value")
+        if any(t >= self.vocab_size for t in req.stop_token_ids or []):
+            raise APIError(400, f"`stop_token_ids` must be token ids below {self.vocab_size}",
+                           param="stop_token_ids", code="invalid_value")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "`stream_options` needs `stream`: true", param="stream_options")
+        self.logit_bias(req)
+
+    def logit_bias(self, req: _SamplingFields) -> dict[int, float] | None:
+        if not req.logit_bias:
+            return None
+        bias = {}
+        for key, value in req.logit_bias.items():
+            if not key.isdigit() or int(key) >= self.vocab_size:
+                raise APIError(400, f"`logit_bias` keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                               param="logit_bias", code="invalid_value")
+            bias[int(key)] = value
+        return bias
+
+    def max_new_tokens(self, prompt_len: int, max_tokens: int | None, prompt_param: str) -> int:
+        """The engine's max_tokens; a prompt or a request that cannot fit the model is a 400 (as vLLM)."""
+        if prompt_len >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"the prompt is {prompt_len} tokens, which leaves no room for output.",
+                           param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            return self.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                                f"{max_tokens} in the completion). Reduce the prompt or `max_tokens`.",
+                           param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int, choice: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Choice `choice`'s SamplingParams. Stop strings stay here (choice.py), not in the engine."""
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"`min_tokens` ({req.min_tokens}) must not exceed `max_tokens` ({max_tokens})",
+                           param="min_tokens", code="invalid_value")
+        fields = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
+                      seed=None if req.seed is None else (req.seed + choice) % SEED_MOD,
+                      stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+        optional = dict(min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                        logit_bias=self.logit_bias(req), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        defaults = dict(min_tokens=0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+        for name, value in optional.items():
+            if value is None or value == defaults.get(name):
+                continue
+            if name not in ENGINE_FIELDS:  # an engine without this feature: refuse, never ignore
+                param = {"prompt_logprobs": "echo"}.get(name, name)
+                raise APIError(400, f"`{param}` is not supported by this engine", param=param,
+                               code="unsupported_parameter")
+            fields[name] = value
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return SamplingParams(**fields)
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            message = str(e)
+            param = next((f for f in fields if message.startswith(f)), None)
+            raise APIError(400, message, param=param, code="invalid_value") from None
+
+    # ---- tokenizing, off the event loop and off the engine thread --------------------------
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def _need_tokenizer(self, param: str):
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (dummy weights): send token ids", param=param)
+        return self.tokenizer
+
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = False,
+                     must_fit: bool = True) -> list[int]:
+        """Token ids; with `must_fit`, a text too long for the model is a 400 before any tokenizing."""
+        tok = self._need_tokenizer(param)
+        if must_fit and len(text) > self.max_model_len * self.max_token_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
+                                f"{len(text)} characters of the {param} cannot fit in it.",
+                           param=param, code="context_length_exceeded")
+        return await self._in_pool(lambda: tok.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        if any(t >= self.vocab_size for t in ids):
+            raise APIError(400, f"token ids must be below {self.vocab_size}", param="tokens")
+        return await self._in_pool(lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        tok = self._need_tokenizer("messages")
+        if not tok.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return await self._in_pool(lambda: tok.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt))
         except Exception as e:  # the template rejects the conversation (e.g. a bad role order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
-    async def _submit(self, prompt, params, rid: str) -> RequestStream:
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    # ---- choices ------------------------------------------------------------------------
+    async def start(self, specs: list[tuple[int, str, list[int], SamplingParams, list[str]]]) -> list[Choice]:
+        """Submit (index, request id, prompt ids, params, stop strings) each; all or none."""
+        choices = []
         try:
-            return await self.engine.add_request(prompt, params, rid)
-        except ValueError as e:  # the engine's own checks: empty or too long prompt, bad ids
+            for index, rid, ids, params, stop in specs:
+                c = Choice(self.engine, index, rid, ids, params, stop, self.tokenizer, self.live)
+                await c.start()
+                choices.append(c)
+        except ValueError as e:  # the engine's own checks: empty prompt, bad ids, host pool too small
+            self._abort(choices)
             raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
         except EngineStopped as e:
+            self._abort(choices)
             raise APIError(503, str(e), type="service_unavailable") from None
+        except BaseException:
+            self._abort(choices)
+            raise
+        return choices
 
-    async def _guarded(self, stream: RequestStream):
-        """The stream's outputs; an engine failure becomes one error body; leaving early (the
-        client went away, so the response task is cancelled) aborts the request."""
-        try:
-            async for out in stream:
-                yield out
-        except EngineStopped as e:
-            yield error_body(str(e), "service_unavailable")
-        finally:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
+    def _abort(self, choices: list[Choice]) -> None:
+        for c in choices:
+            self.live.discard(c)
+            self.engine.abort(c.request_id)
 
-    async def _last_output(self, stream: RequestStream, raw: Request) -> RequestOutput:
-        """Wait for the final output, aborting the request if the client disconnects first."""
+    def release(self, choices: list[Choice]) -> None:
+        """Abort the choices whose engine request has not finished (a no-op for the others)."""
+        self._abort([c for c in choices if c.stream is None or not c.stream.finished])
 
-        async def last():
-            out = None
-            async for out in stream:
-                pass
-            return out
-
-        collect = asyncio.ensure_future(last())
+    async def collect(self, choices: list[Choice], raw: Request) -> list[Choice]:
+        """Run every choice to its end; abort them all if the client disconnects first; a failed
+        choice fails the response."""
+        work = asyncio.ensure_future(asyncio.gather(*(c.run() for c in choices)))
         gone = asyncio.ensure_future(until_disconnected(raw))
         try:
-            await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collect.done():
-                collect.cancel()
-                self.engine.abort(stream.request_id)
-        if collect.cancelled():
+            if not work.done():
+                work.cancel()
+                self._abort(choices)
+        if work.cancelled():
             raise APIError(499, "the client closed the request", code="client_closed")
+        work.result()
+        failed = next((c for c in choices if c.error), None)
+        if failed is not None:
+            kind = "service_unavailable" if failed.error_status == 503 else "server_error"
+            raise APIError(failed.error_status, failed.error, type=kind)
+        return choices
+
+    async def merged(self, choices: list[Choice]):
+        """Every choice's updates as they come. Leaving early (the client went away, an error)
+        cancels the rest, which aborts their engine requests."""
+        updates: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice):
+            try:
+                async for u in c.updates():
+                    updates.put_nowait(u)
+            finally:
+                updates.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            return collect.result()
-        except EngineStopped as e:
-            raise APIError(503, str(e), type="service_unavailable") from None
+            left = len(tasks)
+            while left:
+                u: ChoiceUpdate | None = await updates.get()
+                if u is None:
+                    left -= 1
+                else:
+                    yield u
+        finally:
+            for t in tasks:
+                t.cancel()
 
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    def interrupt_all(self, error: Exception) -> None:
+        """The shutdown deadline: every choice still generating ends with `error`."""
+        for c in list(self.live):
+            c.interrupt(error)

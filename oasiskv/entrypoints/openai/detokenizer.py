@@ -1,0 +1,63 @@
+"""Output text on the asyncio side: token ids in, text pieces out, stop strings cut.
+
+Decoding the whole output after every token costs O(n^2); like vLLM, only a short window is
+decoded: the tokens since the last emitted piece plus the few before them (a token's text can
+depend on its neighbour: leading spaces, multi-byte characters split across tokens). A piece
+ending in U+FFFD (half a UTF-8 character) waits for the next token.
+"""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: context for the next piece
+        self.read_offset = 0  # tokens before it are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def add(self, token_id: int) -> str:
+        """The new text this token completes ("" while a character is still incomplete)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """At the end: whatever was held back, replacement characters included."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):] if len(text) > len(prefix) else ""
+
+
+class StopStringText:
+    """The text of one choice, cut before the first stop string. `emittable()` is the part
+    that can be sent now: while stop strings are set, the last (longest stop - 1) characters
+    wait, since they may be the start of one."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.stopped = False
+
+    def append(self, piece: str) -> bool:
+        """Add a piece; True once a stop string appeared (the text is then cut before it)."""
+        if not piece or self.stopped:
+            return self.stopped
+        start = max(0, len(self.text) - self.hold)  # a match may begin in the held tail
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+        return self.stopped
+
+    def emittable(self, final: bool) -> int:
+        return len(self.text) if final or self.stopped else max(0, len(self.text) - self.hold)
