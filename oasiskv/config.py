@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.config import SparseConfig, auto_threshold
 
 
 @dataclass(slots=True)
@@ -26,15 +26,19 @@ class EngineConfig:
     top_k_blocks: int = 128
     sink_blocks: int = 1
     window_blocks: int = 4
-    sparse_threshold: int = 8192
+    sparse_threshold: int | None = None  # None: sparse.config.auto_threshold (set at construction)
     fetch_ratio: float = 0.05
     drafter: str = "self"
     host_kv_gb: float = 4.0
     summary_dtype: str = "auto"
+    fetch_budget: str | float = "auto"  # transfer budget per step: auto | off | MB
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
 
     def __post_init__(self):
+        if self.sparse_threshold is None:
+            self.sparse_threshold = auto_threshold(self.top_k_blocks, self.sink_blocks, self.window_blocks,
+                                                   self.block_size)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -64,4 +68,4 @@ class EngineConfig:
         return SparseConfig(enabled=self.sparse, top_k_blocks=self.top_k_blocks, sink_blocks=self.sink_blocks,
                             window_blocks=self.window_blocks, sparse_threshold=self.sparse_threshold,
                             fetch_ratio=self.fetch_ratio, drafter=self.drafter, host_kv_gb=self.host_kv_gb,
-                            summary_dtype=self.summary_dtype)
+                            summary_dtype=self.summary_dtype, fetch_budget=self.fetch_budget)

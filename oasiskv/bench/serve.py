@@ -185,6 +185,22 @@ def summarize(args, results: list[RequestResult], duration: float, before: dict,
     out["sparse_lookahead_hit_rate"] = (delta("oasiskv:sparse_lookahead_hit_blocks_total") / predicted
                                         if predicted else None)
     out["sparse_pipeline_stall_s"] = delta("oasiskv:sparse_pipeline_stall_seconds_total")
+    # Every sparse step's figures (overlapped steps too), from the server's per-step counters.
+    step = {k: delta(f"oasiskv:sparse_step_{k}_total") for k in
+            ("stall_seconds", "foreground_seconds", "host_to_gpu_bytes", "budget_bytes", "hit_blocks",
+             "predicted_blocks")}
+    out["sparse_decode_steps"] = int(delta("oasiskv:sparse_decode_steps_total"))
+    out["sparse_step_stall_s"] = step["stall_seconds"]
+    busy = step["stall_seconds"] + step["foreground_seconds"]
+    out["sparse_step_stall_frac"] = step["stall_seconds"] / busy if busy else None
+    out["sparse_step_bytes"] = step["host_to_gpu_bytes"]
+    out["sparse_step_gb_per_request"] = step["host_to_gpu_bytes"] / 1e9 / len(ok) if ok else None
+    out["sparse_step_budget_use"] = (step["host_to_gpu_bytes"] / step["budget_bytes"]
+                                     if step["budget_bytes"] else None)
+    out["sparse_step_hit_rate"] = (step["hit_blocks"] / step["predicted_blocks"]
+                                   if step["predicted_blocks"] else None)
+    out["sparse_conversions"] = int(delta("oasiskv:sparse_conversions_total"))
+    out["num_preemptions"] = int(delta("oasiskv:num_preemptions_total"))
     out["input_lens"] = [r.prompt_len for r in results]
     out["output_lens"] = [r.output_tokens for r in results]
     out["ttfts"] = [r.ttft for r in results]
@@ -218,6 +234,17 @@ def print_result(res: dict) -> None:
              res["sparse_host_to_gpu_bytes"] / res["sparse_requests"] / 2**20, ".2f")
         line("Lookahead hit rate (%):", 100 * (res["sparse_lookahead_hit_rate"] or 0.0), ".1f")
         line("Pipeline stall (s):", res["sparse_pipeline_stall_s"], ".3f")
+    if res.get("sparse_decode_steps"):
+        print("{:-^50}".format("Sparse steps (every step)"))
+        line("Sparse decode steps:", res["sparse_decode_steps"])
+        line("Pipeline stall, all steps (s):", res["sparse_step_stall_s"], ".3f")
+        line("Stall / sparse step time (%):", 100 * (res["sparse_step_stall_frac"] or 0.0), ".2f")
+        line("Host->GPU per request (GB):", res["sparse_step_gb_per_request"] or 0.0, ".2f")
+        if res["sparse_step_budget_use"] is not None:
+            line("Transfer budget used (%):", 100 * res["sparse_step_budget_use"], ".1f")
+        line("Hit rate, all steps (%):", 100 * (res["sparse_step_hit_rate"] or 0.0), ".1f")
+        line("Conversions to sparse:", res["sparse_conversions"])
+    line("Preemptions:", res.get("num_preemptions", 0))
     print("=" * 50)
 
 

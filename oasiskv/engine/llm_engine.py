@@ -206,12 +206,17 @@ class LLMEngine:
         for seq, last_q in pending:
             if seq.is_finished or seq.sparse is not None or seq.in_prefill:
                 continue
-            pages = self.block_manager.take(runner.sparse.cfg.working_set_blocks)
+            need = runner.sparse.cfg.working_set_blocks
+            pages = self.block_manager.take(need)
+            dense_pages = seq.pages
+            if pages is None and len(dense_pages) >= 2 * need:
+                # The pool is full: the working set takes pages of the request's own (conversion
+                # reads each layer's blocks before it writes that layer's working set).
+                pages, dense_pages = dense_pages[-need:], dense_pages[:-need]
             if pages is None:
                 continue  # no room for the working set now; it stays dense and tries again
-            dense_pages = seq.pages
             runner.sparse.convert(seq, last_q, pages)
-            seq.pages = pages
+            seq.pages, seq.convert_early = pages, False
             self.block_manager.give_back(dense_pages)
 
     def _account(self, batch, seconds: float) -> None:

@@ -32,6 +32,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # every preemption so far (oasiskv:num_preemptions_total)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +80,8 @@ class Scheduler:
             if seq.sparse is not None:  # a fixed working set: no page to add
                 seqs.append(seq)
                 continue
+            if not bm.can_grow(seq, seq.num_tokens) and self._convert_for_room(seqs):
+                continue  # it waits one step: a conversion after this step frees pages
             while not bm.can_grow(seq, seq.num_tokens):
                 victim = pending.pop() if pending else seq
                 self.preempt(victim)
@@ -93,6 +96,20 @@ class Scheduler:
             return self._schedule_prefill()
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
 
+    def _convert_for_room(self, scheduled: list[Sequence]) -> bool:
+        """Pages ran short: rather than preempt, convert the longest dense request of this step
+        that can go sparse (it converts after the step, from its own pages, and gives the rest
+        back). True if one is converting after this step, so requests short of a page wait."""
+        if self.sparse is None:
+            return False
+        if any(s.convert_early for s in scheduled):
+            return True
+        candidates = [s for s in scheduled if self.sparse.can_convert(s)]
+        if not candidates:
+            return False
+        max(candidates, key=lambda s: s.num_tokens).convert_early = True
+        return True
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the pages, queue the tokens again."""
         self.running.remove(seq)
@@ -100,8 +117,10 @@ class Scheduler:
         if self.sparse is not None:
             self.sparse.leave_pipeline(seq)
         seq.sparse = None  # recomputed dense, converted again (its host extent stays reserved)
+        seq.convert_early = False
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:

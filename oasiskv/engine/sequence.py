@@ -35,6 +35,7 @@ class Sequence:
     generator: object = None  # torch.Generator for seeded sampling
     sparse: object = None  # WorkingSet once the request decodes sparse
     host_extent: object = None  # its reservation in the host KV pool
+    convert_early: bool = False  # the scheduler converts it to sparse now, instead of a preemption
     _page_cache: tuple | None = field(default=None, repr=False)  # (the list, its int64 array)
 
     @property

@@ -79,6 +79,8 @@ class SparseDecodeMixin:
         m = self.sparse
         m.step += 1
         ids, positions, meta = self.prepare_decode(seqs)
+        if meta.hooks.rows:  # the in-line path's bytes and hits are counted as each layer applies them
+            m.count_step({})
         hooks, Q = meta.hooks, meta.query_len
         params, gens = [s.params for s in seqs], [s.generator for s in seqs]
         if hooks.drafter == "oracle" and hooks.rows:
@@ -119,12 +121,7 @@ class SparseDecodeMixin:
     def run_pipeline_decode(self, seqs: list[Sequence]) -> list[int]:
         """One step of the sparse requests through the pipeline, waiting for its tokens."""
         pairs, host, ready = self.launch_pipeline_decode(seqs)
-        values = read_host(host, ready)
-        p = self.pipeline
-        stall = p.timing.stall_seconds() if p.timing is not None else 0.0  # the step is done
-        for s in seqs:
-            s.sparse.stats.stall_s += stall
-        return self.read_pipeline_decode(seqs, values)
+        return self.read_pipeline_decode(seqs, read_host(host, ready))
 
     def launch_pipeline_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """A step of the sparse requests that does not wait for the device: the pipeline's used
@@ -155,13 +152,23 @@ class SparseDecodeMixin:
         tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2])
         drafts = p.advance_drafts(self.sparse.cfg.drafter, rows, ids[:, 1], tokens, guesses)
         pairs = torch.stack([tokens, drafts], 1)
-        return pairs, *to_host(pairs)
+        # The host copy carries the step's clock stamps and counters after the pairs (`read_step`).
+        return pairs, *to_host(torch.cat([pairs.flatten(), p.step_readout()]))
 
     def read_pipeline_decode(self, seqs: list[Sequence], pairs: list[list[int]]) -> list[int]:
-        """A pipeline step's (token, next draft) per request, read back: count the step and
+        """A pipeline step's (token, next draft) per request, then its clock stamps and counters
+        (`launch_pipeline_decode`), read back: the step's stall, bytes and hits go to the totals
+        and the stall to each request's stats (every step, overlapped ones too); count the step and
         whether its draft was right, and keep the next draft (the device chose it, from the
         row's history on the device; the host's `ws.history` is not kept up for pipeline rows)."""
         drafter = self.sparse.cfg.drafter
+        n = len(seqs)
+        step = self.pipeline.read_step(pairs[2 * n:])
+        self.sparse.count_step(step)
+        pairs = list(zip(pairs[0:2 * n:2], pairs[1:2 * n:2]))
+        for s in seqs:
+            if s.sparse is not None and not s.is_finished:
+                s.sparse.stats.stall_s += step["stall_s"]
         for s, (tok, draft) in zip(seqs, pairs):
             ws = s.sparse
             if ws is None or s.is_finished:  # finished, aborted or preempted while in flight

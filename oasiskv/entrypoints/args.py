@@ -28,11 +28,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--top-k-blocks", type=int, default=128)
     sp.add_argument("--sink-blocks", type=int, default=1)
     sp.add_argument("--window-blocks", type=int, default=4)
-    sp.add_argument("--sparse-threshold", type=int, default=8192,
-                    help="context length at which a request converts to sparse")
+    sp.add_argument("--sparse-threshold", type=int, default=None,
+                    help="context length at which a request converts to sparse (default: 4096, or twice "
+                         "the working set's tokens if more: 4256 at K=128)")
     sp.add_argument("--fetch-ratio", type=float, default=0.05,
                     help="cap: ceil(ratio * K) new blocks per KV head per step")
     sp.add_argument("--fetch-all", action="store_true", help="no cap (fetch ratio 1.0)")
+    sp.add_argument("--fetch-budget", default="auto",
+                    help="host->GPU bytes a decode step may move, shared by predicted value and never "
+                         "more than the cap per head: auto (what the measured link carries during the "
+                         "step's foreground; on CPU a nominal 50 GB/s x 6 ms), a number of MB, or off "
+                         "(the fixed cap alone)")
     sp.add_argument("--drafter", default="self", help="self | ngram | prev | oracle | ondemand")
     sp.add_argument("--host-kv-gb", type=float, default=4.0)
     sp.add_argument("--summary-dtype", default="auto", choices=["auto", "fp8"],
@@ -52,5 +58,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
         sparse_threshold=args.sparse_threshold, fetch_ratio=1.0 if args.fetch_all else args.fetch_ratio,
         drafter=args.drafter, host_kv_gb=args.host_kv_gb, summary_dtype=args.summary_dtype,
+        fetch_budget=getattr(args, "fetch_budget", "auto"),
         sparse_pipeline=args.sparse_pipeline,
         async_scheduling=args.async_scheduling)

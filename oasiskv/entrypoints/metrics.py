@@ -57,6 +57,23 @@ class ServerMetrics:
                                     "sparse requests waited at the end of the step for the prefetch "
                                     "pipeline's streams, summed per request (CUDA pipeline only; the in-line "
                                     "path on CPU runs its stages inside the step and reports 0).", registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Requests preempted (KV dropped, recomputed "
+                                   "later) since the server started.", registry=r)
+        # Every sparse decode step, overlapped ones too (its figures are read with its tokens).
+        self.step_counters = {key: Counter(p + name, doc, registry=r) for key, name, doc in (
+            ("steps", "sparse_decode_steps", "Decode steps that ran sparse requests."),
+            ("foreground_s", "sparse_step_foreground_seconds", "Foreground time of the sparse decode "
+             "steps (their layers, before the join with the prefetch streams; CUDA pipeline)."),
+            ("stall_s", "sparse_step_stall_seconds", "Pipeline stall of the sparse decode steps: time each "
+             "step's foreground waited at its end for the prefetch streams, once per step (CUDA pipeline)."),
+            ("bytes", "sparse_step_host_to_gpu_bytes", "Host -> GPU bytes the sparse decode steps admitted."),
+            ("budget_bytes", "sparse_step_budget_bytes", "Transfer budgets of the sparse decode steps, summed "
+             "(0 with --fetch-budget off); bytes / budget = the budget's use."),
+            ("hits", "sparse_step_hit_blocks", "Predicted (layer, head, block) items already on the GPU."),
+            ("predicted", "sparse_step_predicted_blocks", "Predicted (layer, head, block) items."))}
+        self.conversions = Counter(p + "sparse_conversions", "Requests converted from dense to sparse "
+                                   "(past the threshold, or instead of a preemption).", registry=r)
+        self._seen: dict[str, float] = {}  # engine totals already added to the counters
         self._predicted = self._hits = 0  # running sums behind the hit-rate gauge
 
     def render(self) -> bytes:
@@ -71,13 +88,24 @@ class ServerMetrics:
         self.gpu_pages_total.set(bm.num_pages)
         self.gpu_pages_used.set(used)
         self.gpu_usage.set(used / bm.num_pages)
+        self._advance(self.preemptions, "preemptions", getattr(sched, "num_preemptions", 0))
         sparse = engine.runner.sparse
         if sparse is not None:
+            for key, counter in self.step_counters.items():
+                self._advance(counter, key, sparse.totals[key])
+            self._advance(self.conversions, "conversions", sparse.num_conversions)
             host = sparse.host
             total = host.num_items * host.item_bytes
             self.host_bytes_total.set(total)
             self.host_bytes_used.set(host.bytes_used)
             self.host_usage.set(host.bytes_used / total if total else 0.0)
+
+    def _advance(self, counter: Counter, key: str, total: float) -> None:
+        """Bring a counter up to an engine total (engine totals only grow)."""
+        seen = self._seen.get(key, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._seen[key] = total
 
     def observe_output(self, out) -> None:
         """One output = one new token of one request."""

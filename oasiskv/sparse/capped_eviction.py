@@ -42,13 +42,14 @@ class EvictionPlan:
 
 def capped_eviction(resident: torch.Tensor, last_selected: torch.Tensor,
                     predicted: torch.Tensor, num_sink: int, window_start: torch.Tensor,
-                    cap: int, step: int | torch.Tensor) -> EvictionPlan:
+                    cap: int, step: int | torch.Tensor, row_cap: torch.Tensor | None = None) -> EvictionPlan:
     """One selection step for R rows.
 
     resident: [R, K] int32 block ids (-1 empty); last_selected: [R, K] int64;
     predicted: [R, P] int32 logical block ids sorted best first (-1 padding);
     blocks b < num_sink or b >= window_start [R] are sink/window (already on the GPU);
-    cap: C >= 0 admissions per row at most; step: the step being selected for.
+    cap: C >= 0 admissions per row at most; step: the step being selected for;
+    row_cap: [R] a lower cap per row (the transfer budget's share, `fetch_budget`).
     Inputs are not modified.
     """
     R, K = resident.shape
@@ -76,6 +77,8 @@ def capped_eviction(resident: torch.Tensor, last_selected: torch.Tensor,
     victims = torch.sort(key, dim=1, stable=True).indices  # [R, K]
     num_victims = K - slot_hit.sum(1)
     n_admit = torch.minimum(torch.minimum(missed, num_victims), torch.full_like(missed, cap))
+    if row_cap is not None:
+        n_admit = torch.minimum(n_admit, row_cap.to(dev, torch.long))
 
     rank = cand.long().cumsum(1) - 1  # admission order of each candidate
     admit = cand & (rank < n_admit[:, None])
@@ -108,6 +111,30 @@ def capped_eviction(resident: torch.Tensor, last_selected: torch.Tensor,
                         evicted=evicted.to(i32))
 
 
+NO_CANDIDATE = torch.iinfo(torch.int32).max  # rank of an unused candidate column
+
+
+def admission_ranks(admit_blocks: torch.Tensor, predicted: torch.Tensor,
+                    scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of each admission a plan lists ([R, C], best first, -1 none): its rank in the row's
+    prediction ([R, P] best first; 0 = the best predicted block, hits included) and its score
+    (`scores` [R, P] in the same order; without them, minus the rank). Unused columns get
+    NO_CANDIDATE and -inf: the inputs of `fetch_budget.share_budget`."""
+    P = predicted.shape[1]
+    pred = predicted.long()
+    valid = pred >= 0
+    j = torch.arange(P, device=pred.device)
+    earlier = (pred[:, :, None] == pred[:, None, :]) & (j[None, :] < j[:, None])[None]
+    valid &= ~earlier.any(2)  # a block listed twice counts once, as in `capped_eviction`
+    vrank = valid.long().cumsum(1) - 1
+    used = admit_blocks >= 0
+    eq = (admit_blocks.long()[:, :, None] == pred[:, None, :]) & valid[:, None, :]  # [R, C, P]
+    at = eq.int().argmax(2)  # the admitted block's entry in the prediction
+    rank = torch.where(used, vrank.gather(1, at), NO_CANDIDATE)
+    score = -rank.float() if scores is None else scores.float().gather(1, at)
+    return rank.to(torch.int32), torch.where(used, score, float("-inf"))
+
+
 def _long(x: int | torch.Tensor, dev: torch.device) -> torch.Tensor:
     """An int64 tensor on `dev`; a Python int becomes a fill (no host->device copy, which a
     CUDA graph capture would refuse), with its value frozen into a captured graph."""
@@ -131,7 +158,9 @@ def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predic
                      num_sink: int, window_start: torch.Tensor, num_heads: int, cap: int,
                      step: torch.Tensor, admit_blocks: torch.Tensor, admit_slots: torch.Tensor,
                      stats: torch.Tensor, scores: torch.Tensor | None = None,
-                     marks: torch.Tensor | None = None) -> None:
+                     marks: torch.Tensor | None = None, row_cap: torch.Tensor | None = None,
+                     totals: torch.Tensor | None = None,
+                     candidates: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The pipeline's form of `capped_eviction`: same policy, state updated in place.
 
     resident, last_selected: [R, K] int32 (rows = request * num_heads + head); predicted: [R, P]
@@ -145,20 +174,36 @@ def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predic
     few tens of µs); elsewhere it is the torch version. The kernel finds which predicted
     blocks are resident through `marks` [>= R, W] int32, all -1 (`eviction_marks`), W above
     every block id: it leaves them -1 again. Inside a captured graph pass them (without, they
-    are made here, which reads the largest block id: a sync)."""
+    are made here, which reads the largest block id: a sync).
+
+    The transfer budget (`fetch_budget`) calls it twice a layer: first with `candidates`
+    ([R, cap] int32 ranks, [R, cap] float32 scores; `admission_ranks`), which only lists what
+    each row would admit and changes no state; then with `row_cap` [R], each row's share.
+    totals: [4] int64, the step's (hits, missed, admitted, evicted) summed over rows."""
     if resident.is_cuda and triton is not None:
         _capped_eviction_triton(resident, last_selected, predicted, num_sink, window_start,
-                                num_heads, cap, step, admit_blocks, admit_slots, stats, scores, marks)
+                                num_heads, cap, step, admit_blocks, admit_slots, stats, scores, marks,
+                                row_cap, totals, candidates)
         return
+    ranked_scores = None
     if scores is not None:  # best first; stable, so equal scores keep their order
-        predicted = predicted.gather(1, scores.sort(dim=1, descending=True, stable=True).indices)
+        order = scores.sort(dim=1, descending=True, stable=True).indices
+        predicted, ranked_scores = predicted.gather(1, order), scores.gather(1, order)
     win = window_start.long().repeat_interleave(num_heads)
-    plan = capped_eviction(resident, last_selected.long(), predicted, num_sink, win, cap, step)
+    plan = capped_eviction(resident, last_selected.long(), predicted, num_sink, win, cap, step, row_cap)
+    if candidates is not None:
+        rank, score = admission_ranks(plan.admit_blocks, predicted, ranked_scores)
+        candidates[0].copy_(rank)
+        candidates[1].copy_(score)
+        return
     resident.copy_(plan.resident)
     last_selected.copy_(plan.last_selected)
     admit_blocks.copy_(plan.admit_blocks)
     admit_slots.copy_(plan.admit_slots)
-    stats += torch.stack([plan.hits, plan.missed, plan.admitted, plan.evicted], 1).long()
+    counts = torch.stack([plan.hits, plan.missed, plan.admitted, plan.evicted], 1).long()
+    stats += counts
+    if totals is not None:
+        totals += counts.sum(0)
 
 
 def eviction_marks(rows: int, max_blocks: int, device: torch.device) -> torch.Tensor:
@@ -176,7 +221,8 @@ EVICTION_ONE_WARP = 512
 
 
 def _capped_eviction_triton(resident, last_selected, predicted, num_sink, window_start, num_heads,
-                            cap, step, admit_blocks, admit_slots, stats, scores=None, marks=None):
+                            cap, step, admit_blocks, admit_slots, stats, scores=None, marks=None,
+                            row_cap=None, totals=None, candidates=None):
     R, K = resident.shape
     P = predicted.shape[1]
     assert resident.dtype == last_selected.dtype == predicted.dtype == torch.int32
@@ -189,10 +235,13 @@ def _capped_eviction_triton(resident, last_selected, predicted, num_sink, window
         marks = eviction_marks(R, width, resident.device)
     assert marks.dtype == torch.int32 and marks.is_contiguous() and marks.shape[0] >= R
     KP, PP = triton.next_power_of_2(K), triton.next_power_of_2(P)
+    cand_rank, cand_score = candidates if candidates is not None else (admit_blocks, admit_blocks)
     _capped_eviction_kernel[(R,)](
         resident, last_selected, predicted, predicted if scores is None else scores, window_start,
         step, admit_blocks, admit_slots, stats, marks, marks.shape[1], num_heads, K, P, cap, num_sink,
+        stats if row_cap is None else row_cap, stats if totals is None else totals, cand_rank, cand_score,
         KP=KP, PP=PP, CP=triton.next_power_of_2(max(cap, 1)), RANKED=scores is not None,
+        ROW_CAP=row_cap is not None, TOTALS=totals is not None, PLAN_ONLY=candidates is not None,
         num_warps=1 if max(KP, PP) <= EVICTION_ONE_WARP else 4)
 
 
@@ -201,8 +250,10 @@ if triton is not None:
     @triton.jit
     def _capped_eviction_kernel(res_ptr, last_ptr, pred_ptr, score_ptr, win_ptr, step_ptr, admit_blk_ptr,
                                 admit_slot_ptr, stats_ptr, marks_ptr, marks_width, num_heads, K, P, cap,
-                                num_sink, KP: tl.constexpr, PP: tl.constexpr, CP: tl.constexpr,
-                                RANKED: tl.constexpr):
+                                num_sink, row_cap_ptr, totals_ptr, cand_rank_ptr, cand_score_ptr,
+                                KP: tl.constexpr, PP: tl.constexpr, CP: tl.constexpr,
+                                RANKED: tl.constexpr, ROW_CAP: tl.constexpr, TOTALS: tl.constexpr,
+                                PLAN_ONLY: tl.constexpr):
         row = tl.program_id(0)
         row64 = row.to(tl.int64)
         k = tl.arange(0, KP)
@@ -245,11 +296,16 @@ if triton is not None:
         key = tl.where(slot_hit | (kmask == 0), BIG, key)
         num_victims = tl.sum((kmask & (slot_hit == 0)).to(tl.int32), axis=0)
         n_admit = tl.minimum(tl.minimum(missed, num_victims), cap)
+        if ROW_CAP:  # the row's share of the transfer budget
+            n_admit = tl.minimum(n_admit, tl.load(row_cap_ptr + row))
         if RANKED:  # admission order: best score first (ties: the earlier entry)
-            order = tl.load(score_ptr + row64 * P + p, mask=p < P, other=0.0)
-            order = tl.where(cand, tl.maximum(order, -3.0e38), float("-inf"))
+            raw = tl.load(score_ptr + row64 * P + p, mask=p < P, other=float("-inf"))
+            order = tl.where(cand, tl.maximum(raw, -3.0e38), float("-inf"))
         else:  # the list is best first already
             rank = tl.cumsum(cand.to(tl.int32), axis=0) - 1
+            vrank = tl.cumsum(valid.to(tl.int32), axis=0) - 1  # place among the valid entries
+        cand_rank = tl.full([CP], 2147483647, tl.int32)  # PLAN_ONLY: each admission's rank, score
+        cand_score = tl.full([CP], float("-inf"), tl.float32)
 
         admit_blk = tl.full([CP], -1, tl.int32)
         admit_slot = tl.full([CP], -1, tl.int32)
@@ -259,8 +315,17 @@ if triton is not None:
                 best = tl.argmax(order, axis=0, tie_break_left=True)
                 blk = tl.sum(tl.where(p == best, pred, 0), axis=0)
                 order = tl.where(p == best, float("-inf"), order)
+                if PLAN_ONLY:  # its place in the row's prediction: better scores, then earlier ties
+                    sb = tl.max(tl.where(p == best, raw, float("-inf")), axis=0)
+                    ahead = valid & ((raw > sb) | ((raw == sb) & (p < best)))
+                    cand_rank = tl.where(c == i, tl.sum(ahead.to(tl.int32), axis=0), cand_rank)
+                    cand_score = tl.where(c == i, sb, cand_score)
             else:
                 blk = tl.sum(tl.where(cand & (rank == i), pred, 0), axis=0)
+                if PLAN_ONLY:
+                    vr = tl.sum(tl.where(cand & (rank == i), vrank, 0), axis=0)
+                    cand_rank = tl.where(c == i, vr, cand_rank)
+                    cand_score = tl.where(c == i, -vr.to(tl.float32), cand_score)
             victim = tl.argmin(key, axis=0, tie_break_left=True).to(tl.int32)
             at = k == victim
             evicted += (tl.sum(tl.where(at, res, 0), axis=0) >= 0).to(tl.int32)
@@ -271,12 +336,21 @@ if triton is not None:
             admit_slot = tl.where(c == i, victim, admit_slot)
         last = tl.where(slot_hit, step, last)
 
-        tl.store(res_ptr + row64 * K + k, res, mask=kmask)
-        tl.store(last_ptr + row64 * K + k, last, mask=kmask)
-        tl.store(admit_blk_ptr + row64 * cap + c, admit_blk, mask=c < cap)
-        tl.store(admit_slot_ptr + row64 * cap + c, admit_slot, mask=c < cap)
-        s = stats_ptr + row64 * 4
-        tl.store(s + 0, tl.load(s + 0) + hits)
-        tl.store(s + 1, tl.load(s + 1) + missed)
-        tl.store(s + 2, tl.load(s + 2) + n_admit)
-        tl.store(s + 3, tl.load(s + 3) + evicted)
+        if PLAN_ONLY:  # the budget's input only; the state stays as it was
+            tl.store(cand_rank_ptr + row64 * cap + c, cand_rank, mask=c < cap)
+            tl.store(cand_score_ptr + row64 * cap + c, cand_score, mask=c < cap)
+        else:
+            tl.store(res_ptr + row64 * K + k, res, mask=kmask)
+            tl.store(last_ptr + row64 * K + k, last, mask=kmask)
+            tl.store(admit_blk_ptr + row64 * cap + c, admit_blk, mask=c < cap)
+            tl.store(admit_slot_ptr + row64 * cap + c, admit_slot, mask=c < cap)
+            s = stats_ptr + row64 * 4
+            tl.store(s + 0, tl.load(s + 0) + hits)
+            tl.store(s + 1, tl.load(s + 1) + missed)
+            tl.store(s + 2, tl.load(s + 2) + n_admit)
+            tl.store(s + 3, tl.load(s + 3) + evicted)
+            if TOTALS:
+                tl.atomic_add(totals_ptr + 0, hits.to(tl.int64))
+                tl.atomic_add(totals_ptr + 1, missed.to(tl.int64))
+                tl.atomic_add(totals_ptr + 2, n_admit.to(tl.int64))
+                tl.atomic_add(totals_ptr + 3, evicted.to(tl.int64))

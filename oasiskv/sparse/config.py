@@ -4,8 +4,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from oasiskv.sparse.fetch_budget import parse_fetch_budget
+
 SUMMARY_DTYPES = ("auto", "fp8")  # block summaries: the KV dtype, or fp8 e4m3 (oasiskv.sparse.summaries)
 DRAFTERS = ("self", "ngram", "prev", "oracle", "ondemand")
+# A request converts only once its context is at least this many times its working set
+# (S + K + W blocks; at K = 128 and block size 16: 4,256 tokens): below that its sparse step
+# reads about as many KV bytes as dense and adds the pipeline's work on top.
+MIN_CONTEXT_PER_WORKING_SET = 2
+BASE_THRESHOLD = 4096  # the default threshold's lower bound
+
+
+def auto_threshold(top_k_blocks: int, sink_blocks: int, window_blocks: int, block_size: int) -> int:
+    """The default `--sparse-threshold`: BASE_THRESHOLD, or the conversion floor if higher."""
+    floor = MIN_CONTEXT_PER_WORKING_SET * (sink_blocks + top_k_blocks + window_blocks) * block_size
+    return max(BASE_THRESHOLD, floor)
 
 
 @dataclass(slots=True)
@@ -19,6 +32,7 @@ class SparseConfig:
     drafter: str = "self"
     host_kv_gb: float = 4.0  # size of the pinned host arena holding sparse requests' full KV
     summary_dtype: str = "auto"  # block summaries: auto (the KV dtype) | fp8 (half the bytes scanned)
+    fetch_budget: str | float = "auto"  # bytes a step may move: auto | off | MB per step (`fetch_budget`)
 
     def __post_init__(self):
         if not self.enabled:
@@ -35,6 +49,7 @@ class SparseConfig:
             raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
         if self.summary_dtype not in SUMMARY_DTYPES:
             raise ValueError(f"unknown --summary-dtype {self.summary_dtype!r}; choose one of {', '.join(SUMMARY_DTYPES)}")
+        self.fetch_budget = parse_fetch_budget(self.fetch_budget)
         if self.host_kv_gb <= 0:
             raise ValueError(f"--host-kv-gb must be positive, got {self.host_kv_gb}")
 

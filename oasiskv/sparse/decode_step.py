@@ -32,6 +32,7 @@ class SparseDecodeStep:
         p.B = R
         if p.timing is not None:
             p.timing.start.record()
+        p.start_clock()
         p.step += 1
         t = p.step_tables(self.max_position)  # before begin_step: it keeps the last step's write-through
         p.begin_step()

@@ -16,12 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from oasiskv.sparse.block_scores import score_topk
-from oasiskv.sparse.capped_eviction import EvictionPlan, capped_eviction
-from oasiskv.sparse.config import SparseConfig
+from oasiskv.sparse.capped_eviction import EvictionPlan, admission_ranks, capped_eviction
+from oasiskv.sparse.config import MIN_CONTEXT_PER_WORKING_SET, SparseConfig
+from oasiskv.sparse.fetch_budget import FetchBudget, share_budget
 from oasiskv.sparse.drafters import TokenHistory, next_draft
 from oasiskv.sparse.host_pool import HostKVPool
 from oasiskv.sparse.summaries import summary_dtype, update_block_minmax, write_block_minmax
 from oasiskv.sparse.working_set import WorkingSet
+
+
+STEP_TOTALS = ("steps", "foreground_s", "stall_s", "bytes", "budget_bytes", "hits", "predicted")
 
 
 @dataclass
@@ -30,6 +34,7 @@ class Prediction:
     blocks: torch.Tensor  # [Hkv, K] int32 best first, -1 none
     window_start: int  # first window block of the step predicted for
     num_blocks: int  # blocks that exist at that step
+    scores: torch.Tensor | None = None  # [Hkv, K] their scores
 
 
 @dataclass
@@ -59,6 +64,12 @@ class SparseManager:
         # (oasiskv.eval.agreement) record predictions through them without touching the step.
         self.observers: list = []
         self.pipeline = None  # LookaheadPipeline, when the engine decodes sparse through it
+        # Every sparse decode step's figures, summed (served as counters on /metrics): steps,
+        # foreground and stall seconds (pipeline only), bytes moved, the budget's bytes, hits and
+        # predicted items.
+        self.totals = dict.fromkeys(STEP_TOTALS, 0)
+        self.num_conversions = 0
+        self.budget = FetchBudget(cfg.fetch_budget, self.item_bytes, self.L)  # the in-line path's
 
     # ---- admission (scheduler side) -------------------------------------------------
     def max_tokens(self, seq, max_model_len: int) -> int:
@@ -90,9 +101,34 @@ class SparseManager:
         if ws is not None and ws.row is not None:
             ws.stats.absorb(self.pipeline.release(ws), self.item_bytes)
 
-    def should_convert(self, seq, cached_after_step: int) -> bool:
+    def count_step(self, step: dict) -> None:
+        """A sparse decode step's figures (`LookaheadPipeline.read_step`) into the totals."""
+        self.totals["steps"] += 1
+        for k, v in step.items():
+            self.totals[k] += v
+
+    @property
+    def conversion_floor(self) -> int:
+        """Context below which a request never converts: its working set would not be well
+        below its context (MIN_CONTEXT_PER_WORKING_SET), so sparse decode would read about as
+        many KV bytes as dense and add the pipeline's work on top."""
+        return MIN_CONTEXT_PER_WORKING_SET * self.cfg.working_set_blocks * self.block_size
+
+    def can_convert(self, seq) -> bool:
+        """A dense request that could convert now (it holds a host extent, its context is past
+        the floor): what the scheduler converts instead of preempting."""
         return seq.sparse is None and getattr(seq, "host_extent", None) is not None \
-            and cached_after_step >= self.cfg.sparse_threshold
+            and not seq.in_prefill and seq.num_tokens >= self.conversion_floor
+
+    def should_convert(self, seq, cached_after_step: int) -> bool:
+        """The request converts after this step: its context passes the threshold (by default
+        past the floor too: `sparse.config.auto_threshold`), or the scheduler asked for it
+        instead of a preemption (`Sequence.convert_early`) and it is past the floor."""
+        if seq.sparse is not None or getattr(seq, "host_extent", None) is None:
+            return False
+        if getattr(seq, "convert_early", False):
+            return cached_after_step >= self.conversion_floor
+        return cached_after_step >= self.cfg.sparse_threshold
 
     # ---- conversion -----------------------------------------------------------------
     @torch.inference_mode()
@@ -145,6 +181,7 @@ class SparseManager:
         ws.history = TokenHistory(seq.token_ids)
         ws.draft = next_draft(cfg.drafter, ws.history, None, seq.last_token_id, None)
         seq.sparse = ws
+        self.num_conversions += 1
         if self.pipeline is not None:
             self.pipeline.adopt(ws, n)
 
@@ -157,18 +194,19 @@ class SparseManager:
         """
         win = ws.window_start(cached, self.block_size)
         nb = cached // self.block_size + 1
-        ids, _ = score_topk(query[None], ws.kmin[layer], ws.kmax[layer],
+        ids, scores = score_topk(query[None], ws.kmin[layer], ws.kmax[layer],
                             torch.zeros(1, dtype=torch.long, device=self.device),
                             torch.tensor([nb], device=self.device), self.G, self.cfg.top_k_blocks,
                             max_blocks=ws.kmin.shape[1], num_sink=self.cfg.sink_blocks,
                             window_start=torch.tensor([win], device=self.device))
-        return Prediction(ids[0], win, nb)
+        return Prediction(ids[0], win, nb, scores[0])
 
-    def select(self, ws: WorkingSet, layer: int, pred: Prediction, cap: int) -> tuple[EvictionPlan, TransferPlan]:
+    def select(self, ws: WorkingSet, layer: int, pred: Prediction, cap: int,
+               row_cap: torch.Tensor | None = None) -> tuple[EvictionPlan, TransferPlan]:
         dyn = ws.dynamic
         plan = capped_eviction(ws.blocks[layer][:, dyn], ws.last_selected[layer], pred.blocks.cpu(),
                                self.cfg.sink_blocks, torch.full((self.Hkv,), pred.window_start),
-                               cap, self.step)
+                               cap, self.step, row_cap)
         heads, cols = torch.nonzero(plan.admit_blocks >= 0, as_tuple=True)
         blocks = plan.admit_blocks[heads, cols].long()
         positions = plan.admit_slots[heads, cols].long() + self.cfg.sink_blocks
@@ -193,12 +231,36 @@ class SparseManager:
         st.admitted += int(plan.admitted.sum())
         st.evicted += int(plan.evicted.sum())
         st.bytes_to_device += transferred
+        t = self.totals
+        t["bytes"] += transferred
+        t["hits"] += int(plan.hits.sum())
+        t["predicted"] += int((plan.hits + plan.missed).sum())
 
     def prefetch(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int, cap: int) -> None:
         """predict -> select -> transfer, in line (this issue); the pipeline issue makes it async."""
         pred = self.predict(ws, layer, query, cached)
         plan, transfer = self.select(ws, layer, pred, cap)
         self.apply(ws, layer, plan, self.transfer(transfer))
+
+    def prefetch_layer(self, rows: list[tuple[WorkingSet, torch.Tensor, int]], layer: int) -> None:
+        """`prefetch` of one layer for every (working set, query, cached) of a step, the rows
+        sharing the step's transfer budget as the pipeline's select stage shares it
+        (`fetch_budget`): each row's candidates, every row's share, then the admissions."""
+        if not self.budget.enabled or not rows:
+            for ws, query, cached in rows:
+                self.prefetch(ws, layer, query, cached, self.cap)
+            return
+        preds = [self.predict(ws, layer, q, cached) for ws, q, cached in rows]
+        ranks, scores = [], []
+        for (ws, _, _), pred in zip(rows, preds):
+            plan, _ = self.select(ws, layer, pred, self.cap)
+            r, sc = admission_ranks(plan.admit_blocks, pred.blocks.cpu(), pred.scores.float().cpu())
+            ranks.append(r), scores.append(sc)
+        share = share_budget(torch.cat(ranks), torch.cat(scores), self.budget.items_per_layer)
+        for i, ((ws, _, _), pred) in enumerate(zip(rows, preds)):
+            row_cap = share[i * self.Hkv:(i + 1) * self.Hkv]
+            plan, transfer = self.select(ws, layer, pred, self.cap, row_cap)
+            self.apply(ws, layer, plan, self.transfer(transfer))
 
     # ---- per-step tables and write-through ------------------------------------------
     def attention_tables(self, ws: WorkingSet, cached: int, layers: slice = slice(None)

@@ -42,6 +42,8 @@ from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_, eviction_marks
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import LOOKUP_WINDOW
+from oasiskv.sparse.fetch_budget import FetchBudget, measure_link, share_budget
+from oasiskv.sparse.step_clock import STAMPS, stamp
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.step_tables import RowState, StepTables, WriteThrough, step_tables
 from oasiskv.sparse.summaries import summary_dtype
@@ -216,6 +218,17 @@ class LookaheadPipeline:
         self.predicted_scores = torch.full((L, R * H, K), float("-inf"), device=dev)  # ...and its scores
         self.admit_blocks = torch.full((L, R * H, self.C), -1, **i32)
         self.admit_slots = torch.full((L, R * H, self.C), -1, **i32)
+        # The transfer budget (`fetch_budget`): what each row would admit, and its share; one
+        # layer at a time on the select stream, so one set of buffers serves every layer.
+        self.budget = FetchBudget(cfg.fetch_budget, self.item_bytes, L)
+        self.cand_rank = torch.zeros(R * H, self.C, **i32)
+        self.cand_score = torch.zeros(R * H, self.C, dtype=torch.float32, device=dev)
+        self.row_cap = torch.zeros(R * H, **i32)
+        self.budget_items = torch.full((), R * H * self.C, dtype=torch.long, device=dev)  # per layer
+        # Per step, read back with the step's tokens: device clock stamps (start, foreground
+        # done, joined; `step_clock`) and the (hits, missed, admitted, evicted) of every row.
+        self.clock = torch.zeros(STAMPS, dtype=torch.long, device=dev)
+        self.step_totals = torch.zeros(4, dtype=torch.long, device=dev)
         self.eviction_marks = eviction_marks(R * H, max_blocks, dev)  # the select's scratch, every layer's
         self.host_items = device_view(host.items, dev) if dev.type == "cuda" else host.items
         self.background = dev.type == "cuda" if background is None else background
@@ -224,6 +237,9 @@ class LookaheadPipeline:
             self.streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev),
                             torch.cuda.Stream(dev, priority=transfer_priority)]
         self.timing = None  # PipelineTiming when step timing is on
+        if self.budget.setting == "auto" and dev.type == "cuda":
+            self.budget.link_bytes_per_s = self.measure_link()
+        self.set_budget()
         self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
         self.stages = 3  # < 3: only the first stages run (predict; predict + select): benchmarks only
         # The last `deferred_layers` layers' transfers start the next step instead of ending this
@@ -236,6 +252,53 @@ class LookaheadPipeline:
         self.last_write = WriteThrough(torch.zeros(R, dtype=torch.bool, device=dev),
                                        torch.zeros(R, dtype=torch.long, device=dev),
                                        torch.zeros(R, dtype=torch.long, device=dev))
+
+    # ---- the transfer budget ---------------------------------------------------------
+    def set_budget(self) -> None:
+        """Write the budget's current value where the select stage reads it (between steps)."""
+        items = self.budget.items_per_layer if self.budget.enabled else self.R * self.H * self.C
+        if items != getattr(self, "_budget_written", None):
+            self.budget_items.fill_(items)
+            self._budget_written = items
+
+    def measure_link(self, max_items: int = 16384) -> float:
+        """Host -> GPU bytes per second of the transfer kernel as the step launches it (its
+        programs, items in flight and warps), over distinct host items into a scratch pool."""
+        H, C, S = self.H, self.C, self.S
+        rows = max(1, min(max_items, self.host.num_items) // (H * C))
+        dev = self.device
+        pages = torch.arange(rows * (S + C), device=dev, dtype=torch.int32).view(rows, S + C)
+        scratch = torch.empty(rows * (S + C) * H, *self.kv.shape[2:], dtype=self.kv.dtype, device=dev)
+        blocks = torch.arange(C, device=dev, dtype=torch.int32).expand(rows * H, C).contiguous()
+        start = torch.arange(rows, device=dev) * (C * H)
+        nblk = torch.full((rows,), C, dtype=torch.long, device=dev)
+        fetch = lambda: fetch_admitted(self.host_items, scratch, 0, blocks, blocks, pages, start, nblk, H, S,  # noqa: E731
+                                       self.transfer_programs, self.transfer_items, self.transfer_warps,
+                                       self.transfer_tma_stages)
+        return measure_link(fetch, rows * H * C * self.item_bytes)
+
+    def read_step(self, values: list[int]) -> dict:
+        """A step's clock stamps and counters as the host read them back (`step_readout`): its
+        foreground and stall (seconds), items moved and the budget it ran under; the budget's
+        running foreground time takes the step in."""
+        start, fg_done, joined, hits, missed, admitted, _ = values
+        fg, stall = max(0, fg_done - start) / 1e9, max(0, joined - fg_done) / 1e9
+        budget = self._budget_written * self.L * self.item_bytes
+        if fg > 0:
+            self.budget.observe(fg)
+            self.set_budget()
+        return {"foreground_s": fg, "stall_s": stall, "bytes": admitted * self.item_bytes,
+                "budget_bytes": budget if self.budget.enabled else 0, "hits": hits,
+                "predicted": hits + missed}
+
+    def start_clock(self) -> None:
+        """Start of a step (inside the graph): its counters zeroed, its first stamp."""
+        self.step_totals.zero_()
+        stamp(self.clock, 0)
+
+    def step_readout(self) -> torch.Tensor:
+        """What `read_step` reads, as one device tensor to copy with the step's tokens."""
+        return torch.cat([self.clock, self.step_totals])
 
     # ---- rows ----------------------------------------------------------------------
     def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
@@ -431,6 +494,8 @@ class LookaheadPipeline:
         if not (self.background and self.prefetch):
             if not self.defers_write_through:
                 self.write_through()
+            stamp(self.clock, 1)
+            stamp(self.clock, 2)
             return
         if not self.defers_write_through:
             transfer = self.streams[2]
@@ -440,8 +505,10 @@ class LookaheadPipeline:
         fg = torch.cuda.current_stream(self.device)
         if self.timing is not None:
             self.timing.foreground_done.record()
+        stamp(self.clock, 1)
         for s in self.streams:
             fg.wait_stream(s)
+        stamp(self.clock, 2)
         if self.timing is not None:
             self.timing.joined.record()
 
@@ -456,11 +523,20 @@ class LookaheadPipeline:
                      stages=self.bounds_tiling[2])
 
     def select(self, layer: int) -> None:
+        """Capped eviction; under a transfer budget, first what each row would admit, then each
+        row's share of the layer's budget (`fetch_budget`), then the admissions."""
         B, H = self.B, self.H
-        capped_eviction_(self.resident[layer, :B * H], self.last[layer, :B * H], self.predicted[layer, :B * H],
-                         self.S, self.next_window[:B], H, self.C, self.step, self.admit_blocks[layer, :B * H],
-                         self.admit_slots[layer, :B * H], self.stats[:B * H],
-                         scores=self.predicted_scores[layer, :B * H], marks=self.eviction_marks)
+        n = B * H
+        args = (self.resident[layer, :n], self.last[layer, :n], self.predicted[layer, :n], self.S,
+                self.next_window[:B], H, self.C, self.step, self.admit_blocks[layer, :n],
+                self.admit_slots[layer, :n], self.stats[:n])
+        kw = dict(scores=self.predicted_scores[layer, :n], marks=self.eviction_marks)
+        row_cap = None
+        if self.budget.enabled:
+            capped_eviction_(*args, **kw, candidates=(self.cand_rank[:n], self.cand_score[:n]))
+            row_cap = self.row_cap[:n]
+            row_cap.copy_(share_budget(self.cand_rank[:n], self.cand_score[:n], self.budget_items))
+        capped_eviction_(*args, **kw, row_cap=row_cap, totals=self.step_totals)
 
     def transfer(self, layer: int) -> None:
         """Admitted items host -> their GPU slots (addresses computed in the copy kernel). With

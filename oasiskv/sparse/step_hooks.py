@@ -45,11 +45,10 @@ class SparseStepHooks:
         m, Q = self.manager, self.query_len
         for r in self.rows:
             m.update_summaries(r.ws, layer, k[r.batch_index * Q], r.cached)
-            if not self.prefetch or self.drafter == "ondemand":
-                continue
+        if self.prefetch and self.drafter != "ondemand":
             # The lookahead query predicts step t+1's blocks; `prev` uses the current token's.
-            row = r.batch_index * Q + (1 if self.drafter in USES_DRAFT_TOKEN else 0)
-            m.prefetch(r.ws, layer, q[row], r.cached + 1, m.cap)
+            draft = 1 if self.drafter in USES_DRAFT_TOKEN else 0
+            m.prefetch_layer([(r.ws, q[r.batch_index * Q + draft], r.cached + 1) for r in self.rows], layer)
         if self.prefetch:  # not the oracle's first pass: that one only finds the true token
             for observe in m.observers:
                 observe(layer, q, self)

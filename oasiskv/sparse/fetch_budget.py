@@ -1,0 +1,109 @@
+"""The transfer budget of a decode step, in bytes (the paper's limitation 2: its cap C is a fixed
+ratio of K, whatever the link can carry).
+
+A step may move at most what crosses the host -> GPU link while its foreground runs: budget =
+link rate x foreground time x margin, from the link rate measured at start-up and the
+foreground time of recent steps (`FetchBudget`). Each layer gets an equal share (every layer's
+transfer has the same slack: one step, DESIGN §3 step 5). Inside a layer the share goes to the
+candidates of every row (request, kv head) by predicted value: a row's i-th best missing block
+before any row's (i+1)-th (`share_budget`: by its rank in the row's prediction, then by score),
+and never more than the per-head cap C of the fixed ratio, so an unlimited budget admits
+exactly what the cap admits. All of it is tensor work with fixed shapes on the select stream,
+inside the captured step; the host only writes the budget's value between steps.
+
+On CPU there is no link to measure: `auto` there is NOMINAL_LINK_BYTES_PER_S x NOMINAL_STEP_S
+(the H200's measured UVA gather rate and a decode step of its size), which admits what the cap
+admits unless a step would move more than that.
+"""
+from __future__ import annotations
+
+import torch
+
+from oasiskv.sparse.capped_eviction import NO_CANDIDATE
+
+BUDGET_MODES = ("auto", "off")  # or a number: MB (10^6 bytes) per step
+# The share of the foreground time the transfer may fill: the fetch slows beside the GEMMs and
+# the attention (DESIGN §7: 50 GB/s alone, less beside them), and the deferred layers cross
+# into the next step.
+BUDGET_MARGIN = 0.8
+NOMINAL_LINK_BYTES_PER_S = 50e9  # DESIGN §7: pinned host reads by a GPU kernel, H200
+NOMINAL_STEP_S = 6e-3  # a batch-24 decode step of an 8B model on the H200
+FOREGROUND_SMOOTHING = 0.2  # weight of the newest step in the foreground time's running mean
+
+
+def parse_fetch_budget(value: str | float | None) -> str | float:
+    """`--fetch-budget`: "auto", "off", or megabytes per step (a positive number)."""
+    if value is None or value in BUDGET_MODES:
+        return value or "auto"
+    try:
+        mb = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--fetch-budget must be auto, off or megabytes per step, got {value!r}") from None
+    if mb <= 0:
+        raise ValueError(f"--fetch-budget must be positive, got {value!r}")
+    return mb
+
+
+def share_budget(cand_rank: torch.Tensor, cand_score: torch.Tensor, items: torch.Tensor | int) -> torch.Tensor:
+    """Each row's share of a layer's `items`: rows [N] of candidates [N, C] (their rank in the
+    row's prediction, NO_CANDIDATE for none; and score), a row's best first. All candidates are
+    ordered by rank, then score (higher first), then row; the first `items` are granted, and
+    a row's share is how many of its own made it (a prefix of its list). Returns [N] int32."""
+    N, C = cand_rank.shape
+    rank, score = cand_rank.reshape(-1).long(), cand_score.reshape(-1).float()
+    order = score.argsort(descending=True, stable=True)
+    order = order[rank[order].argsort(stable=True)]
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel(), device=order.device)
+    items = items if isinstance(items, torch.Tensor) else torch.tensor(items, device=order.device)
+    granted = (place < items) & (rank < NO_CANDIDATE)
+    return granted.view(N, C).sum(1).to(torch.int32)
+
+
+class FetchBudget:
+    """The budget's value per step, on the host: fixed megabytes, or `auto` from the link rate
+    and the foreground time of recent steps. `items_per_layer` is what the select stage reads."""
+
+    def __init__(self, setting: str | float, item_bytes: int, num_layers: int,
+                 link_bytes_per_s: float = NOMINAL_LINK_BYTES_PER_S, margin: float = BUDGET_MARGIN):
+        self.setting = parse_fetch_budget(setting)
+        self.item_bytes, self.num_layers = item_bytes, num_layers
+        self.link_bytes_per_s, self.margin = link_bytes_per_s, margin
+        self.foreground_s = NOMINAL_STEP_S  # running mean of the measured foreground
+
+    @property
+    def enabled(self) -> bool:
+        return self.setting != "off"
+
+    def observe(self, foreground_s: float) -> None:
+        """A step's measured foreground time (its layers, without the wait at the join)."""
+        if foreground_s > 0:
+            a = FOREGROUND_SMOOTHING
+            self.foreground_s = (1 - a) * self.foreground_s + a * foreground_s
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes a step may move (eq. (4): the transfer keeps up with the foreground)."""
+        if self.setting == "auto":
+            return int(self.link_bytes_per_s * self.foreground_s * self.margin)
+        return int(self.setting * 1e6)
+
+    @property
+    def items_per_layer(self) -> int:
+        return max(0, self.step_bytes // (self.item_bytes * self.num_layers))
+
+
+def measure_link(fetch, num_bytes: int, repeats: int = 3) -> float:
+    """Host -> GPU bytes per second of `fetch()`, one call of which moves `num_bytes`, timed
+    with CUDA events after a warm-up; the best of `repeats`."""
+    fetch()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fetch()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return num_bytes / best

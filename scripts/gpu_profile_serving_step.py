@@ -1,0 +1,137 @@
+"""The serving engine's decode at N rows, end to end, in one process (no HTTP): how long a step
+takes once every request is sparse, and where it goes (foreground, pipeline stall, host work,
+bytes moved against the budget), for dense and for sparse under each transfer budget; then the
+device's kernels over a few steady steps (torch profiler, by total time).
+
+PYTHONPATH=. python3 scripts/gpu_profile_serving_step.py --rows 48 --context 5120 --cases dense off auto
+Writes serving_step.json and profile_<case>.txt under $OUT.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+from oasiskv.config import EngineConfig
+from oasiskv.engine.llm_engine import LLMEngine
+from oasiskv.sampling_params import SamplingParams
+
+
+def timed(obj, name, into):
+    original = getattr(obj, name)
+
+    def wrapper(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kw)
+        finally:
+            into[name] += time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
+def run_case(a, case: str, out_dir: str | None) -> dict:
+    sparse = case != "dense"
+    cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
+                       sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
+                       fetch_budget=case if sparse else "auto", max_num_seqs=max(a.rows, 16),
+                       max_model_len=a.context + a.steps + 64)
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    row = {"case": case, "rows": a.rows, "context": a.context, "start_s": round(time.perf_counter() - t0, 1)}
+    p = engine.runner.pipeline
+    if p is not None:
+        row["link_GBps"] = round(p.budget.link_bytes_per_s / 1e9, 1)
+    spent = defaultdict(float)
+    timed(engine.runner, "launch_decode", spent)
+    timed(engine, "postprocess", spent)
+    timed(engine, "_convert_to_sparse", spent)
+    vocab = engine.runner.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=a.steps, ignore_eos=True)
+    for _ in range(a.rows):
+        engine.add_request(torch.randint(0, vocab, (a.context,), generator=gen).tolist(), params)
+    # Until every request decodes (sparse: has converted): prefill, conversions, preemptions.
+    t0, steps = time.perf_counter(), 0
+    ready = lambda: (not engine.scheduler.waiting and all(  # noqa: E731
+        not s.in_prefill and (not sparse or s.sparse is not None) for s in engine.scheduler.running))
+    while engine.has_unfinished() and not ready() and steps < a.max_warm_steps:
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    row["warm_s"], row["warm_steps"] = round(time.perf_counter() - t0, 2), steps
+    row["converting_s"] = round(spent["_convert_to_sparse"], 2)
+    m = engine.runner.sparse
+    before = dict(m.totals) if m is not None else {}
+    spent.clear()
+    n, t0, tok0 = 0, time.perf_counter(), engine.step_stats["decode_tokens"]
+    while engine.has_unfinished() and n < a.measure:
+        engine.step()
+        n += 1
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    tokens = engine.step_stats["decode_tokens"] - tok0
+    row.update(engine_steps=n, period_ms=round(1e3 * wall / n, 3), launch_ms=round(1e3 * spent["launch_decode"] / n, 3),
+               postprocess_ms=round(1e3 * spent["postprocess"] / n, 3),
+               preemptions=engine.scheduler.num_preemptions if hasattr(engine.scheduler, "num_preemptions") else None)
+    if m is not None:
+        d = {k: m.totals[k] - before.get(k, 0) for k in m.totals}
+        k = max(d["steps"], 1)
+        row.update(sparse_steps=d["steps"], foreground_ms=round(1e3 * d["foreground_s"] / k, 3),
+                   stall_ms=round(1e3 * d["stall_s"] / k, 3), MB_per_step=round(d["bytes"] / k / 1e6, 1),
+                   budget_MB_per_step=round(d["budget_bytes"] / k / 1e6, 1),
+                   hit_rate=round(d["hits"] / d["predicted"], 3) if d["predicted"] else None)
+    row["tok_per_s"] = round(tokens / wall, 1)
+    if out_dir and engine.has_unfinished():
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.profile_steps):
+                if engine.has_unfinished():
+                    engine.step()
+            torch.cuda.synchronize()
+        with open(os.path.join(out_dir, f"profile_{case}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+            f.write("\n\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
+    del tokens
+    for s in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort(s.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    del engine
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--rows", type=int, default=48)
+    ap.add_argument("--context", type=int, default=5120)
+    ap.add_argument("--steps", type=int, default=400, help="max_tokens of each request")
+    ap.add_argument("--measure", type=int, default=150, help="engine steps timed once every request decodes")
+    ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--max-warm-steps", type=int, default=300, help="dense: requests the pool cannot hold wait")
+    ap.add_argument("--kv-cache-gb", type=float, default=24)
+    ap.add_argument("--host-kv-gb", type=float, default=48)
+    ap.add_argument("--threshold", type=int, default=4096)
+    ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"])
+    a = ap.parse_args()
+    out_dir = os.environ.get("OUT")
+    rows = []
+    for case in a.cases:
+        rows.append(run_case(a, case, out_dir))
+        print(json.dumps(rows[-1]), flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "serving_step.json"), "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
