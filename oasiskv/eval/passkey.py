@@ -124,6 +124,8 @@ def add_passkey_args(p) -> None:
     p.add_argument("--drafters", nargs="+", default=["self"],
                    help="sparse runs to compare with dense: DRAFTER[:FIELD=VALUE,...], the fields "
                         "overriding the engine flags (e.g. self:fetch_ratio=0.02)")
+    p.add_argument("--no-dense", action="store_true", help="the sparse runs only (dense is deterministic: "
+                   "compare with an earlier run's)")
     p.add_argument("--output-json", default=None)
 
 
@@ -143,10 +145,11 @@ def run_passkey(args) -> int:
                "context_len": args.context_len,
                "sparse": {"top_k_blocks": base.top_k_blocks, "sink_blocks": base.sink_blocks,
                           "window_blocks": base.window_blocks, "fetch_ratio": base.fetch_ratio,
-                          "sparse_threshold": base.sparse_threshold, "summary_dtype": base.summary_dtype},
+                          "sparse_threshold": base.sparse_threshold, "summary_dtype": base.summary_dtype,
+                          "fetch_budget": base.fetch_budget},
                "runs": {}}
     cases = None
-    for spec in ["dense"] + list(args.drafters):
+    for spec in ([] if args.no_dense else ["dense"]) + list(args.drafters):
         cfg = run_config(base, spec)
         llm = LLM.from_config(cfg)
         if cases is None:
