@@ -36,7 +36,7 @@ def test_passkey_cli_small(tmp_path, capsys):
 def test_fresh_set_is_fixed_and_scored_on_the_exact_number():
     """The fresh set: at least 30 prompts over several fillers, depths and seeds, built the
     same every time, none at the suite's depths; exact scoring rejects what a substring takes."""
-    from oasiskv.eval.passkey import is_right, make_fresh_cases, run_config
+    from oasiskv.eval.passkey import case_name, is_right, make_fresh_cases, run_config
     from oasiskv.models.loader import resolve_model
     from oasiskv.models.tokenizer import load_tokenizer
     from oasiskv.config import EngineConfig
@@ -50,6 +50,7 @@ def test_fresh_set_is_fixed_and_scored_on_the_exact_number():
     assert len({c.seed for c in cases}) >= 2 and len({c.key for c in cases}) >= 6
     assert not {c.depth for c in cases} & {0.1, 0.3, 0.5, 0.7, 0.9}
     assert all(len(c.token_ids) == 3900 for c in cases)
+    assert len({case_name(c) for c in cases}) == len(cases)  # what --cases picks them by
     for c in cases[:3]:
         assert f"The pass key is {c.key}." in tok.decode(c.token_ids)
 

@@ -68,6 +68,10 @@ def make_fresh_cases(tokenizer, context_tokens: int) -> list[PasskeyCase]:
     return cases
 
 
+def case_name(c: PasskeyCase) -> str:
+    return f"{c.filler}:{c.depth:g}:{c.seed}"
+
+
 def answer_number(text: str) -> str | None:
     """The first number in an answer, as its whole run of digits, or None."""
     m = re.search(r"\d+", text)
@@ -124,6 +128,8 @@ def add_passkey_args(p) -> None:
     p.add_argument("--drafters", nargs="+", default=["self"],
                    help="sparse runs to compare with dense: DRAFTER[:FIELD=VALUE,...], the fields "
                         "overriding the engine flags (e.g. self:fetch_ratio=0.02)")
+    p.add_argument("--cases", nargs="+", default=None, metavar="FILLER:DEPTH:SEED",
+                   help="only these cases of the set (e.g. argparse:0.45:10; the suite's filler is grass)")
     p.add_argument("--no-dense", action="store_true", help="the sparse runs only (dense is deterministic: "
                    "compare with an earlier run's)")
     p.add_argument("--output-json", default=None)
@@ -155,6 +161,10 @@ def run_passkey(args) -> int:
         if cases is None:
             cases = (make_fresh_cases(llm.tokenizer, args.context_len) if exact
                      else make_cases(llm.tokenizer, args.context_len, args.depths, args.seeds))
+            if args.cases:
+                cases = [c for c in cases if case_name(c) in set(args.cases)]
+                if not cases:
+                    raise ValueError(f"no case of the {args.set} set is named {' '.join(args.cases)}")
             results |= {"depths": sorted({c.depth for c in cases}), "seeds": sorted({c.seed for c in cases}),
                         "fillers": list(dict.fromkeys(c.filler for c in cases))}
         answers = generate_answers(llm, cases)
