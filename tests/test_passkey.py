@@ -31,3 +31,37 @@ def test_passkey_cli_small(tmp_path, capsys):
     assert set(res["runs"]) == {"dense", "self", "oracle"}
     assert all(r["total"] == 1 for r in res["runs"].values())
     assert "| all |" in capsys.readouterr().out
+
+
+def test_fresh_set_is_fixed_and_scored_on_the_exact_number():
+    """The fresh set: at least 30 prompts over several fillers, depths and seeds, built the
+    same every time, none at the suite's depths; exact scoring rejects what a substring takes."""
+    from oasiskv.eval.passkey import case_name, is_right, make_fresh_cases, run_config
+    from oasiskv.models.loader import resolve_model
+    from oasiskv.models.tokenizer import load_tokenizer
+    from oasiskv.config import EngineConfig
+
+    tok = load_tokenizer(resolve_model(None))
+    cases = make_fresh_cases(tok, 3900)
+    again = make_fresh_cases(tok, 3900)
+    assert len(cases) >= 30
+    assert [(c.key, c.token_ids) for c in cases] == [(c.key, c.token_ids) for c in again]
+    assert len({c.filler for c in cases}) >= 3 and len({c.depth for c in cases}) >= 3
+    assert len({c.seed for c in cases}) >= 2 and len({c.key for c in cases}) >= 6
+    assert not {c.depth for c in cases} & {0.1, 0.3, 0.5, 0.7, 0.9}
+    assert all(len(c.token_ids) == 3900 for c in cases)
+    assert len({case_name(c) for c in cases}) == len(cases)  # what --cases picks them by
+    for c in cases[:3]:
+        assert f"The pass key is {c.key}." in tok.decode(c.token_ids)
+
+    key = "12345"
+    assert is_right(" 12345. Remember", key, exact=True)
+    assert is_right(" **12345**", key, exact=True)
+    for wrong in (" 123456.", " 012345", " 1234", " 77726 or 12345", " none"):
+        assert not is_right(wrong, key, exact=True)
+    assert is_right(" 123456.", key, exact=False)  # the suite's substring scoring would take it
+
+    base = EngineConfig(top_k_blocks=32, fetch_ratio=0.05)
+    assert run_config(base, "dense").sparse is False
+    cfg = run_config(base, "oracle:fetch_ratio=0.02,top_k_blocks=64")
+    assert (cfg.sparse, cfg.drafter, cfg.fetch_ratio, cfg.top_k_blocks) == (True, "oracle", 0.02, 64)

@@ -1,16 +1,28 @@
 """RULER-style passkey retrieval: a number hidden at a chosen depth of filler text.
 
-`oasiskv eval passkey` runs dense and sparse (at given budgets and drafters) on the same
-prompts and prints an accuracy table; `--json` / `--output-json` give the raw results.
+`oasiskv eval passkey` runs dense and sparse runs (drafters, each with optional engine
+overrides) on the same prompts and prints an accuracy table; `--output-json` keeps the raw
+results. Two prompt sets:
+- `suite`: the repeated "grass is green" filler at the given depths and seeds; an answer is
+  right when the key's digits appear in it (the set of docs/accuracy.md's 25/25 table).
+- `fresh`: 30 prompts on real text that ships with Python (three standard library modules'
+  source x five depths x two seeds, none of them the suite's); an answer is right only when
+  its first number equals the key.
 """
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 QUESTION = "What is the pass key? The pass key is"
+# Source code, not prose: on English prose about Python (the language reference, its license)
+# the default model answers "a special key that ..." even dense (docs/accuracy.md).
+FRESH_FILLERS = ("argparse", "shutil", "calendar")
+FRESH_DEPTHS = (0.05, 0.25, 0.45, 0.65, 0.85)
+FRESH_SEEDS = (10, 11)
 
 
 @dataclass
@@ -19,50 +31,114 @@ class PasskeyCase:
     depth: float  # 0 = start of the filler, 1 = end
     key: str
     token_ids: list[int]
+    filler: str = "grass"
 
 
-def make_case(tokenizer, context_tokens: int, depth: float, seed: int) -> PasskeyCase:
-    """A prompt of about `context_tokens` tokens with the key at `depth` of the filler."""
-    rng = random.Random(seed)
+def make_case(tokenizer, context_tokens: int, depth: float, seed: int,
+              filler: str = "grass", filler_ids: list[int] | None = None) -> PasskeyCase:
+    """A prompt of about `context_tokens` tokens with the key at `depth` of the filler. The
+    filler is `filler_ids` from its start (repeated if short), else the suite's sentence."""
+    rng = random.Random(seed if filler == "grass" else f"{filler}:{seed}")
     key = str(rng.randint(10000, 99999))
     needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
     head = ("There is an important piece of information hidden inside a lot of irrelevant text. "
             "Find it and memorize it. I will quiz you about it.\n")
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
     fixed = len(enc(head)) + len(enc(needle)) + len(enc("\n" + QUESTION))
-    filler_ids = enc(FILLER)
+    filler_ids = filler_ids or enc(FILLER)
     n_filler = max(0, context_tokens - fixed)
-    filler = (filler_ids * (n_filler // len(filler_ids) + 1))[:n_filler]
-    cut = int(len(filler) * depth)
-    ids = enc(head) + filler[:cut] + enc(needle) + filler[cut:] + enc("\n" + QUESTION)
-    return PasskeyCase(seed, depth, key, ids)
+    filler_ids = (filler_ids * (n_filler // len(filler_ids) + 1))[:n_filler]
+    cut = int(len(filler_ids) * depth)
+    ids = enc(head) + filler_ids[:cut] + enc(needle) + filler_ids[cut:] + enc("\n" + QUESTION)
+    return PasskeyCase(seed, depth, key, ids, filler)
 
 
 def make_cases(tokenizer, context_tokens: int, depths: list[float], seeds: list[int]) -> list[PasskeyCase]:
     return [make_case(tokenizer, context_tokens, d, s) for d in depths for s in seeds]
 
 
-def score(llm, cases: list[PasskeyCase], max_tokens: int = 8) -> list[bool]:
-    """Greedy answers, all cases in one batch; right when the key's digits come out."""
+def make_fresh_cases(tokenizer, context_tokens: int) -> list[PasskeyCase]:
+    """30 prompts: each filler text x depth x seed; the key depends on the filler and the seed."""
+    from oasiskv.eval.texts import module_source
+
+    cases = []
+    for name in FRESH_FILLERS:
+        ids = tokenizer.encode(module_source(name), add_special_tokens=False)
+        cases += [make_case(tokenizer, context_tokens, d, s, name, ids) for d in FRESH_DEPTHS for s in FRESH_SEEDS]
+    return cases
+
+
+def case_name(c: PasskeyCase) -> str:
+    return f"{c.filler}:{c.depth:g}:{c.seed}"
+
+
+def answer_number(text: str) -> str | None:
+    """The first number in an answer, as its whole run of digits, or None."""
+    m = re.search(r"\d+", text)
+    return m.group() if m else None
+
+
+def is_right(answer: str, key: str, exact: bool) -> bool:
+    """exact: the answer's first number is the key, digit for digit (123456 and 012345 are not
+    12345); else: the key's digits appear anywhere in the answer."""
+    return answer_number(answer) == key if exact else key in answer
+
+
+def generate_answers(llm, cases: list[PasskeyCase], max_tokens: int = 8) -> list[str]:
+    """Greedy answers, all cases in one batch."""
     from oasiskv.sampling_params import SamplingParams
 
     outs = llm.generate([c.token_ids for c in cases], SamplingParams(temperature=0, max_tokens=max_tokens),
                         use_tqdm=False)
-    return [c.key in o.text for c, o in zip(cases, outs)]
+    return [o.text for o in outs]
+
+
+def score(llm, cases: list[PasskeyCase], max_tokens: int = 8, exact: bool = False) -> list[bool]:
+    return [is_right(a, c.key, exact) for c, a in zip(cases, generate_answers(llm, cases, max_tokens))]
+
+
+def run_config(base, spec: str):
+    """`dense`, or a sparse run: a drafter with optional engine overrides,
+    e.g. `self`, `oracle`, `self:fetch_ratio=0.02`, `self:fetch_ratio=1.0,top_k_blocks=64`."""
+    from dataclasses import replace
+
+    if spec == "dense":
+        return replace(base, sparse=False)
+    drafter, _, opts = spec.partition(":")
+    overrides = dict(opt.split("=", 1) for opt in opts.split(",") if opt)
+    return replace(base, sparse=True, drafter=drafter, **{k: _flag_value(v) for k, v in overrides.items()})
+
+
+def _flag_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def add_passkey_args(p) -> None:
+    p.add_argument("--set", default="suite", choices=["suite", "fresh"],
+                   help="suite: repeated filler, --depths x --seeds, substring scoring; fresh: 30 prompts "
+                        "on three standard library modules' source, exact-number scoring")
     p.add_argument("--context-len", type=int, default=4000, help="prompt tokens")
-    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
-    p.add_argument("--drafters", nargs="+", default=["self"], help="sparse drafters to compare with dense")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9], help="suite only")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="suite only")
+    p.add_argument("--drafters", nargs="+", default=["self"],
+                   help="sparse runs to compare with dense: DRAFTER[:FIELD=VALUE,...], the fields "
+                        "overriding the engine flags (e.g. self:fetch_ratio=0.02)")
+    p.add_argument("--cases", nargs="+", default=None, metavar="FILLER:DEPTH:SEED",
+                   help="only these cases of the set (e.g. argparse:0.45:10; the suite's filler is grass)")
+    p.add_argument("--no-dense", action="store_true", help="the sparse runs only (dense is deterministic: "
+                   "compare with an earlier run's)")
     p.add_argument("--output-json", default=None)
 
 
 def run_passkey(args) -> int:
-    """Dense, then each sparse drafter (the engine's sparse flags set K, window, cap, ...)."""
+    """Dense, then each sparse run (the engine's sparse flags set K, window, cap, ...)."""
     import json
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from oasiskv.entrypoints.args import engine_config
     from oasiskv.entrypoints.llm import LLM
@@ -70,30 +146,46 @@ def run_passkey(args) -> int:
     base = engine_config(args)
     if base.max_model_len is None:
         base = replace(base, max_model_len=args.context_len + 64)
-    results = {"context_len": args.context_len, "depths": args.depths, "seeds": args.seeds,
+    exact = args.set == "fresh"
+    results = {"set": args.set, "scoring": "exact number" if exact else "substring",
+               "context_len": args.context_len,
                "sparse": {"top_k_blocks": base.top_k_blocks, "sink_blocks": base.sink_blocks,
                           "window_blocks": base.window_blocks, "fetch_ratio": base.fetch_ratio,
-                          "sparse_threshold": base.sparse_threshold, "summary_dtype": base.summary_dtype},
+                          "sparse_threshold": base.sparse_threshold, "summary_dtype": base.summary_dtype,
+                          "fetch_budget": base.fetch_budget},
                "runs": {}}
     cases = None
-    for name in ["dense"] + list(args.drafters):
-        cfg = replace(base, sparse=False) if name == "dense" else replace(base, sparse=True, drafter=name)
+    for spec in ([] if args.no_dense else ["dense"]) + list(args.drafters):
+        cfg = run_config(base, spec)
         llm = LLM.from_config(cfg)
-        cases = cases or make_cases(llm.tokenizer, args.context_len, args.depths, args.seeds)
-        right = score(llm, cases)
-        results["runs"][name] = {"correct": sum(right), "total": len(right), "per_case": [
-            {"depth": c.depth, "seed": c.seed, "ok": ok} for c, ok in zip(cases, right)]}
-        print(f"{name:>8}: {sum(right)}/{len(right)}", flush=True)
+        if cases is None:
+            cases = (make_fresh_cases(llm.tokenizer, args.context_len) if exact
+                     else make_cases(llm.tokenizer, args.context_len, args.depths, args.seeds))
+            if args.cases:
+                cases = [c for c in cases if case_name(c) in set(args.cases)]
+                if not cases:
+                    raise ValueError(f"no case of the {args.set} set is named {' '.join(args.cases)}")
+            results |= {"depths": sorted({c.depth for c in cases}), "seeds": sorted({c.seed for c in cases}),
+                        "fillers": list(dict.fromkeys(c.filler for c in cases))}
+        answers = generate_answers(llm, cases)
+        right = [is_right(a, c.key, exact) for c, a in zip(cases, answers)]
+        config = {k: v for k, v in asdict(cfg).items() if k in results["sparse"] or k in ("drafter", "sparse")}
+        results["runs"][spec] = {"config": config, "correct": sum(right), "total": len(right), "per_case": [
+            {"filler": c.filler, "depth": c.depth, "seed": c.seed, "key": c.key, "answer": a, "ok": ok}
+            for c, a, ok in zip(cases, answers, right)]}
+        print(f"{spec:>8}: {sum(right)}/{len(right)}", flush=True)
+        del llm
+        if args.output_json:  # after every run, so a long evaluation keeps what it measured
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=2)
     print_passkey_table(results)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=2)
     return 0
 
 
 def print_passkey_table(results: dict) -> None:
     runs = results["runs"]
-    print(f"\npasskey retrieval, {results['context_len']} tokens; sparse: {results['sparse']}")
+    print(f"\npasskey retrieval ({results['set']} set, {results['scoring']} scoring), "
+          f"{results['context_len']} tokens; sparse: {results['sparse']}")
     print("| depth | " + " | ".join(runs) + " |")
     print("|---" * (len(runs) + 1) + "|")
     for d in results["depths"]:
@@ -103,3 +195,8 @@ def print_passkey_table(results: dict) -> None:
             cells.append(f"{sum(oks)}/{len(oks)}")
         print(f"| {d:.2f} | " + " | ".join(cells) + " |")
     print("| all | " + " | ".join(f"{r['correct']}/{r['total']}" for r in runs.values()) + " |")
+    print("\n| run | right | wrong cases (filler, depth, seed: key -> answer) |\n|---|---|---|")
+    for spec, r in runs.items():
+        wrong = [f"{c['filler']} {c['depth']} {c['seed']}: {c['key']} -> {c['answer'].strip()!r}"
+                 for c in r["per_case"] if not c["ok"]]
+        print(f"| {spec} | {r['correct']}/{r['total']} | {'; '.join(wrong) or '-'} |")

@@ -37,3 +37,14 @@ def text_tokens(tokenizer, name: str, num_tokens: int) -> list[int]:
     if len(ids) < num_tokens:
         raise ValueError(f"text {name!r} has {len(ids)} tokens, fewer than the {num_tokens} asked for")
     return ids[:num_tokens]
+
+
+def module_source(name: str) -> str:
+    """The source of a standard library module (the same on every machine of a Python version)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not (spec.origin or "").endswith(".py"):
+        raise ValueError(f"{name!r} is not a standard library module with Python source")
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
