@@ -1,8 +1,8 @@
 """Block scores (oasiskv/sparse/block_scores.py): the reference against brute force over the
 tokens, the torch path against the reference, top-K, and the Triton kernel against the
 reference under Triton's CPU interpreter (in a subprocess, as tests/test_kernels.py does:
-TRITON_INTERPRET must be set before triton is imported). Interpreter cases use float32/float16 only (CONTRIBUTING.md);
-bf16 is checked on the GPU by scripts/gpu_check_sparse.py."""
+TRITON_INTERPRET must be set before triton is imported). Interpreter cases use float32/float16
+only (CONTRIBUTING.md); bf16 is checked on the GPU by scripts/gpu_check_sparse.py."""
 from __future__ import annotations
 
 import json
