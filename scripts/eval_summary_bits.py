@@ -1,12 +1,10 @@
 """How much accuracy would b-bit block summaries cost? A CPU study for a storage format not
-built yet.
+built (docs/accuracy.md, "4-bit block summaries").
 
 The prediction's scan reads every block's min/max key summaries each decode step: at batch 16,
-16K context, 1.2 GB a step in fp8 (256 B per block and kv head at D = 128). The 16K step's
-prediction stage costs about 0.56 ms (docs/benchmarks.md, fourth session), so halving those
-bytes again is the largest lever on the step left. A 4-bit format would store, per request,
-layer, kv head and channel, a fixed grid lo + s * j (j = 0 .. 15) over the range the channel
-takes in the prompt, and per block the grid index just below its min and just above its max:
+16K context, 1.2 GB a step in fp8 (256 B per block and kv head at D = 128). A 4-bit format
+would store, per request, layer, kv head and channel, a fixed grid lo + s * j (j = 0 .. 15)
+over the range the channel takes in the prompt, and per block the grid index just below its min and just above its max:
 the box only widens, and a channel with a large offset keeps its resolution (where fp8's
 relative rounding does not).
 

@@ -12,7 +12,7 @@ equal the reference's up to near-ties; CUDA-graph replays of score_topk + capped
 update_block_minmax after the inputs change in place, against eager results.
 Timing (triton.testing.do_bench, median, CUDA-graph replays): the bounds kernel over its
 tiling (blocks per tile, tiles per program, stages, warps), as GB/s of summary bytes read vs
-the 4.25 TB/s copy (DESIGN §7), then at the default tiling the scores, top-K, the fused select,
+the 4.25 TB/s copy (oasiskv/bench/roofline.py), then at the default tiling the scores, top-K, the fused select,
 torch.topk alone and the torch path; capped_eviction at R = 16 x 8 rows, K = 128,
 C = 7, eager and in a graph. The table goes to stdout and, if $OUT is set, $OUT/sparse.json.
 """

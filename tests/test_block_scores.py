@@ -1,8 +1,8 @@
-"""Block scores (DESIGN §3 step 3): the reference against brute force over the tokens, the
-torch path against the reference, top-K, and the Triton kernel against the reference under
-Triton's CPU interpreter (in a subprocess, as tests/test_kernels.py does: TRITON_INTERPRET must
-be set before triton is imported). Interpreter cases use float32/float16 only (DESIGN §6);
-bf16 is checked on the GPU by scripts/gpu_check_sparse.py."""
+"""Block scores (oasiskv/sparse/block_scores.py): the reference against brute force over the
+tokens, the torch path against the reference, top-K, and the Triton kernel against the
+reference under Triton's CPU interpreter (in a subprocess, as tests/test_kernels.py does:
+TRITON_INTERPRET must be set before triton is imported). Interpreter cases use float32/float16
+only (CONTRIBUTING.md); bf16 is checked on the GPU by scripts/gpu_check_sparse.py."""
 from __future__ import annotations
 
 import json
@@ -70,7 +70,7 @@ def topk_agrees(ids, ref_scores, k, rel_tol=1e-4):
 
 def test_range_weight_one_is_the_quest_bound_of_each_heads_logit():
     """At α = 1, for every block and query head: score >= max over its tokens of q_g·k, and the
-    formula of DESIGN §3 step 3 term by term."""
+    formula of block_scores' docstring term by term."""
     bs, Hkv, G, D = 4, 2, 3, 16
     q, kmin, kmax, off, nb, keys = make_inputs(3, Hkv, G, D, [5, 1, 7], torch.float32, bs)
     u = head_bounds_ref(q, kmin, kmax, off, nb, G, range_weight=1.0)  # [R, Hq, M]

@@ -1,4 +1,4 @@
-"""Capped eviction (DESIGN §3 step 4) against a slow per-row Python reference of the policy,
+"""Capped eviction (oasiskv/sparse/capped_eviction.py) against a slow per-row Python reference of the policy,
 plus its invariants, on random multi-step histories (hypothesis)."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Attention kernels against their torch references (reference.py), on random inputs.
 
 The vectorized torch path is compared directly. The Triton kernels run under Triton's CPU
-interpreter (DESIGN §6), which must be switched on before triton is imported: they run in
+interpreter (CONTRIBUTING.md), which must be switched on before triton is imported: they run in
 one subprocess (this file executed as a script with TRITON_INTERPRET=1), so other test
 modules in the same pytest process keep a normal triton. Interpreter cases use float16 and
 float32 only: the interpreter's bf16 tl.dot is wrong; bf16 is checked on the GPU machine

@@ -1,4 +1,4 @@
-"""Block min/max key summaries (DESIGN §2 "Compressed keys"): the one-shot build against a
+"""Block min/max key summaries (oasiskv/sparse/summaries.py): the one-shot build against a
 per-block loop, and the incremental decode update against rebuilding from all tokens."""
 from __future__ import annotations
 

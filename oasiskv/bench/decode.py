@@ -1,4 +1,4 @@
-"""`oasiskv bench decode`: decode throughput of dense vs sparse at long context (issue 4).
+"""`oasiskv bench decode`: decode throughput of dense vs sparse at long context (docs/benchmarks.md).
 
 No long prefill is run: the KV of every request is synthetic (random keys and values written
 into the GPU page pool, the host pool and the block summaries), then the batch decodes
@@ -103,7 +103,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 
 
 class DecodeBench:
-    """One model, one GPU page pool and one host pool, reused by every run of a session."""
+    """One model, one GPU page pool and one host pool, reused by every run of one invocation."""
 
     def __init__(self, args):
         from oasiskv.engine.model_runner import ModelRunner

@@ -1,9 +1,10 @@
-"""Byte roofline of a decode step: what must cross HBM, over the measured bandwidth (DESIGN §7)."""
+"""Byte roofline of a decode step: the bytes it must move over the measured ceilings
+(docs/benchmarks.md, "How to read the columns")."""
 from __future__ import annotations
 
 from oasiskv.models.config import ModelConfig
 
-HBM_BYTES_PER_S = 4.25e12  # device-to-device copy measured on one H200, 2026-11-29
+HBM_BYTES_PER_S = 4.25e12  # device-to-device copy rate of the benchmark GPU (an H200)
 PCIE_BYTES_PER_S = 55.5e9  # pinned host -> GPU, one large copy
 
 

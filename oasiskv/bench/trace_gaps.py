@@ -94,8 +94,8 @@ def kernel_company(events: list[dict], steps: int, kernel: str = ATTENTION) -> l
     """What runs beside each launch of one kernel kind (the foreground's attention, say) on the
     other streams, and how long that launch takes in each company. One row per set of kernel
     names overlapping a launch (empty: it ran alone): launches per step, µs each, and each
-    companion's overlap µs per launch. A kernel that takes 39 µs alone and 55 in the step is
-    slowed by whatever its slow rows name."""
+    companion's overlap µs per launch. A kernel slower in the step than alone is slowed by
+    whatever its slow rows name."""
     kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
     runs = [e for e in kernels if e["name"].startswith(kernel)]
     rows: dict = {}

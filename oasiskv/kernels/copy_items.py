@@ -3,10 +3,10 @@ arrays by index lists: the transfer stage (host pool -> GPU slots) and write-thr
 slots -> host pool) of sparse decode.
 
 On CUDA the copy is a Triton kernel with a **bounded grid** of persistent programs that read
-the pinned host arena through its UVA address (DESIGN §7): a one-program-per-item launch
-takes every SM and stops the foreground model from overlapping with it; a few dozen
-programs, each moving a whole 8 KiB item per load, leave the SMs to the model and still
-reach PCIe speed. Indices below zero are skipped, so fixed-shape (CUDA-graph) index lists
+the pinned host arena through its UVA address (docs/design.md, "Memory layout"): a
+one-program-per-item launch takes every SM and stops the foreground model from overlapping
+with it; a few persistent programs, each moving whole 8 KiB items per load, leave the SMs
+to the model and still reach PCIe speed. Indices below zero are skipped, so fixed-shape (CUDA-graph) index lists
 can carry unused entries.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ try:
 except ImportError:  # CPU-only installs use the torch path
     triton = None
 
-DEFAULT_PROGRAMS = 8  # 49 GB/s alone on the H200 (8 .. 132 all reach it with 4 items per load)
+DEFAULT_PROGRAMS = 8  # reaches PCIe speed alone (docs/benchmarks.md, "Correctness on the GPU")
 
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -188,8 +188,7 @@ if triton is not None:
                               block_ptr, L, R, H, num_slots,
                               ITEM: tl.constexpr, ITEMP: tl.constexpr, ITEMS: tl.constexpr):
         # Row by row, and a row only if its token completed a block: most steps complete none,
-        # and a loop over every (layer, row, head) that skips them took ~0.2 ms a step on the
-        # H200 at batch 16 (36 layers, 8 heads, 4 programs).
+        # so one load per row replaces a loop over every (layer, row, head) item.
         for r in range(tl.program_id(0), R, tl.num_programs(0)):
             if tl.load(done_ptr + r) != 0:
                 wslot = tl.load(wslot_ptr + r).to(tl.int64)
@@ -219,13 +218,12 @@ def _fetch_tma(host, kv_layer, layer, admit_blocks, admit_slots, pages, extent_s
                num_heads, num_sink, num_programs, stages):
     """`fetch_admitted` with each item read by one TMA box load and written by one TMA store.
 
-    Why: the load-unit kernel is bound per SM (about 6 GB/s a program across PCIe, whatever it
-    keeps in flight, docs/benchmarks.md), so it needs 8 SMs beside the foreground. A TMA load
-    is one instruction for 8 KiB, and the loop's software pipeline keeps `stages` - 1 of them in
-    flight. A skipped entry (-1) gets a destination row past the pool's end: TMA drops stores
-    outside the tensor, so nothing is written. Measured on the H200: exact, and faster per
-    program (4 programs: 37.9 against 31.3 GB/s), but no faster than ~38 GB/s in all, where 8
-    load-unit programs reach 45.8, so the pipeline keeps the load units."""
+    Why it exists: the load-unit kernel's rate is bound per SM, so it needs several SMs beside
+    the foreground. A TMA load is one instruction for 8 KiB, and the loop's software pipeline
+    keeps `stages` - 1 of them in flight. A skipped entry (-1) gets a destination row past the
+    pool's end: TMA drops stores outside the tensor, so nothing is written. It is exact and
+    faster per program, but its total rate stays below the load-unit kernel's, so the pipeline
+    keeps the load units (`pipeline.TRANSFER_TMA_STAGES`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     RH, C = admit_blocks.shape

@@ -1,8 +1,8 @@
 """Head-wise paged decode attention: a vectorized torch path (CPU) and a Triton
 flash-decoding kernel (GPU), both matching `paged_decode_ref` (reference.py).
 
-Every (sequence, kv head) attends its own slot list (DESIGN §2), so one kernel serves
-dense and sparse requests. The GPU kernel is split-K ("flash decoding"): the slots of
+Every (sequence, kv head) attends its own slot list (docs/design.md, "Memory layout"), so one
+kernel serves dense and sparse requests. The GPU kernel is split-K ("flash decoding"): the slots of
 one (sequence, head) are cut into `num_splits` ranges handled by separate programs,
 whose partial softmax states are merged, together with the new tokens, by a second kernel
 (or, with `fused_merge`, by whichever split program of the (sequence, head) finishes last).
@@ -20,10 +20,8 @@ LOG2E = 1.4426950408889634
 # Software-pipeline stages of the split kernel. Triton (3.6, sm_90) gives the slot load the
 # first stage and K/V the second, so 3 and 4 stages keep one K/V tile in flight per program
 # and 5 keeps two (137 KiB of shared memory instead of 72 KiB: one program per SM, not three).
-# Compiled on the CPU: scripts/inspect_decode_kernel.py. Alone, at the batch 16 working set with
-# one split, 5 stages took 40.8 against 49.6 µs on the H200; inside the pipelined step it did
-# not help (16K 7.45 -> 7.60 ms, 32K 7.87 -> 7.71; two splits: 7.68 -> 7.69, 7.72 -> 8.11;
-# docs/benchmarks.md), so the default stays 3.
+# 3 is the default; the pipelined sparse step asks for 5 where it fits
+# (`pipeline.working_set_stages`).
 DECODE_STAGES = 3
 
 
@@ -313,8 +311,7 @@ def choose_num_splits(batch_heads: int, max_blocks: int, num_sms: int,
 
     Aim for about 8 programs per SM so small batches fill the GPU and the last wave is a
     small fraction of the work; keep each split at least a few tiles long so the merge
-    stays negligible next to the KV reads. Measured on an H200 at 32K context (Hkv=8):
-    B=1 best at 16-32 splits (64: +20%), B=16 within 3% of best at 9, B=64 at 3."""
+    stays negligible next to the KV reads (timings: docs/benchmarks.md, "Kernels alone")."""
     want = math.ceil(8 * num_sms / max(batch_heads, 1))
     most = max(1, max_blocks // (tile_blocks * min_tiles_per_split))
     return max(1, min(want, most, max_splits))
@@ -331,8 +328,8 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     fused_merge (more than one split): the last split program of each (sequence, head) to
     finish merges the partials, instead of a second launch. A working set's one short wave
     gains the splits' parallelism without the merge launch and the gap before it.
-    Defaults (8 blocks = 128 tokens a tile, 4 warps, 3 stages) were the fastest of a sweep
-    at B=16, 32K context on an H200: 511 us, 99% of the 4.25 TB/s copy rate on the KV bytes."""
+    Defaults (8 blocks = 128 tokens a tile, 4 warps, 3 stages): the fastest of a sweep at
+    batch 16, 32K context (docs/benchmarks.md, "Kernels alone")."""
     B, Q, Hq, D = q.shape
     Hkv = k_new.shape[2]
     G = Hq // Hkv

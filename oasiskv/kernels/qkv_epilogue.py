@@ -3,10 +3,8 @@ RMSNorm (Qwen3's q/k norm), RoPE, the new K/V stored into their cache slots and,
 sparse pipeline, each row's key folded into its block's min/max summary and its draft query
 copied out for the predict stage.
 
-On the sparse 32K step these were four launches a layer on the critical path (the compiled
-norm + RoPE took two, store and fold one each: 7.8 µs of kernels plus the gaps between
-them, docs/results/sparse_profile_b16_32k_h200_mma.json). `qkv_epilogue_ref` composes the
-separate functions and is what CPU tensors run.
+One launch instead of four a layer (norm + RoPE, store, fold), all on the decode step's
+critical path. `qkv_epilogue_ref` composes the separate functions and is what CPU tensors run.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Torch references of the attention kernels: the semantics every fast kernel must match.
 
-KV cache layout (DESIGN §2): per layer one tensor `kv_cache[num_slots, 2, block_size, head_dim]`
-where slot = page * num_kv_heads + kv_head and [:, 0] is K, [:, 1] is V. One slot is one
-contiguous (page, head) item holding K and V of `block_size` tokens, the same item the host
-pool stores, so a host -> GPU transfer is one contiguous copy per item.
+KV cache layout (docs/design.md, "Memory layout"): per layer one tensor
+`kv_cache[num_slots, 2, block_size, head_dim]` where slot = page * num_kv_heads + kv_head and
+[:, 0] is K, [:, 1] is V. One slot is one contiguous (page, head) item holding K and V of
+`block_size` tokens, the same item the host pool stores, so a host -> GPU transfer is one
+contiguous copy per item.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Block scoring from the compressed keys and per-(sequence, kv head) top-K (DESIGN §3 step 3).
+"""Block scoring from the compressed keys and per-(sequence, kv head) top-K: the predict stage
+of a sparse decode step (docs/design.md, "A decode step of a sparse request").
 
 Each query head g of a kv group h scores block b from its per-dimension key box
 [kmin, kmax] = centre c ± half-range r:
@@ -7,10 +8,10 @@ Each query head g of a kv group h scores block b from its per-dimension key box
 
 With α = 1 this is the Quest upper bound of the head's logit over the block,
 Σ_i max(q_gi · kmax_bhi, q_gi · kmin_bhi); α = 0 is the logit of the box's centre. The default
-α = 0.5 (`RANGE_WEIGHT`) is measured (docs/accuracy.md): in D = 64 the range term dominates the
-bound (bounds ~200-330 where the true logits are <= 55 on passkey filler), so blocks of diverse
-tokens outrank the one a head really attends to; at α = 0.5 the needle blocks that the bound
-misses come back, and no case that the bound retrieves is lost.
+α = 0.5 (`RANGE_WEIGHT`) was chosen on passkey retrieval (docs/accuracy.md, "How a block is
+scored"): in D = 64 the range term dominates the bound, so blocks of diverse tokens outrank
+the one a head really attends to; at α = 0.5 the needle blocks that the bound misses come
+back, and no case that the bound retrieves is lost.
 
 The group's G scores are combined into one score per (block, kv head), by default
 
@@ -19,9 +20,8 @@ The group's G scores are combined into one score per (block, kv head), by defaul
 i.e. each head ranks the blocks by how close their bound comes to that head's best block, and
 a block counts as much as the head that wants it most. Why not the plain sum Σ_g u(b, g)
 ("sum", kept for comparison): it adds bounds of very different scales, so broad heads whose
-bounds vary a lot from block to block drown out a head that points sharply at one block. On
-passkey retrieval with SmolLM2-135M (docs/accuracy.md) that is exactly the needle block, ranked
-~140th of 250 by the sum and first by the head that copies from it.
+bounds vary a lot from block to block drown out a head that points sharply at one block: on
+passkey retrieval that is exactly the needle block (docs/accuracy.md).
 
 Because kmax >= kmin elementwise, each head's score is two D-vectors against the summaries:
 
@@ -214,9 +214,8 @@ if triton is not None:
 
         fp8 summaries (FP8) go to the tensor cores as loaded, in fp8 products: q⁺ and q⁻ are each
         split into two e4m3 numbers, q ≈ q₁ + q₂ (q₂ the rounding error of q₁, so ~2⁻⁸ relative,
-        a bf16's precision; components clamped to ±448), columns [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂].
-        Widening the summaries to float16 in registers instead took 35.6 against 25.8 µs on the
-        H200 (docs/benchmarks.md)."""
+        a bf16's precision; components clamped to ±448), columns [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂]:
+        faster than widening the summaries to float16 in registers."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         first = tl.program_id(2) * TILES
@@ -315,7 +314,7 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
     loads are masked off). block_tile >= 16 (a tensor-core product's rows), `tiles_per_program`
-    tiles per program, loads `stages` deep: the defaults were the fastest on the H200."""
+    tiles per program, loads `stages` deep (the pipeline sets them: `pipeline.bounds_tiling`)."""
     R, Hq, D = q.shape
     Hkv = kmin.shape[1]
     G = group_size
@@ -381,7 +380,7 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton scores (bounds, combine), then a sorted top-K over the [R, Hkv, max_blocks] float32
     scores: the in-line path's prediction, best first. The pipeline uses `score_select`
-    instead, which skips the sort (78 against 101 µs on the H200 at 16 × 2048 blocks)."""
+    instead, which skips the sort (docs/benchmarks.md, "Kernels alone")."""
     s = score_blocks_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
                             num_sink, window_start, block_tile, combine=combine,
                             range_weight=range_weight)
@@ -408,9 +407,8 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
     On CUDA: the bounds kernel, then one program per (sequence, kv head) that combines the G
     heads and selects the top K in registers (a radix select of the K-th largest score, then
-    a prefix-sum compaction): no sort. On the H200 at 16 x 2048 blocks, bounds + select take
-    78 µs alone against 101 µs with torch.topk; inside a batch 16, 32K decode step, torch.topk
-    had taken 63 µs a layer (docs/benchmarks.md). Elsewhere: `score_topk`."""
+    a prefix-sum compaction): no sort, faster than `torch.topk` (docs/benchmarks.md, "Kernels
+    alone"). Elsewhere: `score_topk`."""
     if q.is_cuda and triton is not None and max_blocks <= SELECT_MAX_BLOCKS:
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,

@@ -1,5 +1,5 @@
-"""Capped eviction: the selection stage of the lookahead pipeline (DESIGN §3 step 4; the
-paper's "delta selection and capped eviction"), batched over rows, a row = one
+"""Capped eviction: the selection stage of the lookahead pipeline (docs/design.md, "A decode
+step of a sparse request"; the paper's "delta selection and capped eviction"), batched over rows, a row = one
 (request, layer, kv head).
 
 Each row owns K dynamic slots; sink and window blocks sit in other slots this policy never
@@ -9,7 +9,7 @@ sees. Given the predicted top-K (best first):
     block is kept as a hit even if it lies in that range, which only a window moving back
     could cause);
   - at most C nonresident predicted blocks are admitted, best score first (the cap bounds the
-    traffic of a step to C items per head and layer, DESIGN §3: <= C · heads · layers);
+    traffic of a step to C items per head and layer: <= C · heads · layers);
   - each admission takes one victim slot: empty slots first, then residents outside the
     prediction, least recently selected first (ties: lower slot index).
 Predicted blocks over the cap wait for a later step; the working set keeps its K slots.
@@ -169,9 +169,9 @@ def capped_eviction_(resident: torch.Tensor, last_selected: torch.Tensor, predic
     request; step: int32 device scalar. Writes admit_blocks / admit_slots [R, cap] (-1 unused)
     and adds (hits, missed, admitted, evicted) to stats [R, 4] int64.
 
-    On CUDA one Triton program per row does the whole policy in registers: the torch version
-    takes ~40 launches and 0.2 ms per layer at R=128, K=128 (DESIGN §7 budget per layer is a
-    few tens of µs); elsewhere it is the torch version. The kernel finds which predicted
+    On CUDA one Triton program per row does the whole policy in registers (the torch version is
+    ~40 launches a layer, too slow for the step's per-layer budget); elsewhere it is the torch
+    version. The kernel finds which predicted
     blocks are resident through `marks` [>= R, W] int32, all -1 (`eviction_marks`), W above
     every block id: it leaves them -1 again. Inside a captured graph pass them (without, they
     are made here, which reads the largest block id: a sync).
@@ -214,9 +214,7 @@ def eviction_marks(rows: int, max_blocks: int, device: torch.device) -> torch.Te
 
 # One warp a row while a row's vectors are this short: the policy is a chain of reductions over
 # K and P elements, and within one warp each is a few shuffles, with no shared memory or
-# barrier. In the 16K step on the H200 (R = 128, K = P = 128) the kernel took 35.9 µs a layer
-# with 4 warps and a [P, K] match matrix, 11.0 µs like this (docs/benchmarks.md, eleventh
-# session).
+# barrier (the kernel's time in the step: docs/benchmarks.md, "Where the 16K step goes").
 EVICTION_ONE_WARP = 512
 
 

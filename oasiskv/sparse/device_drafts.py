@@ -1,6 +1,6 @@
-"""The lookahead drafts of pipeline rows, chosen on the device (DESIGN §4): the same rules as
-`drafters.next_draft` (`self`: the draft row's own guess while the chain holds, else prompt
-lookup, else the token), computed from each row's newest tokens kept on the device. The next
+"""The lookahead drafts of pipeline rows, chosen on the device (docs/design.md, "Drafters"):
+the same rules as `drafters.next_draft` (`self`: the draft row's own guess while the chain
+holds, else prompt lookup, else the token), computed from each row's newest tokens kept on the device. The next
 step's inputs then never wait for the host, so a sparse step can be launched before the last
 one's tokens are read (async scheduling), and no step scans Python lists.
 """

@@ -1,5 +1,5 @@
-"""Where the lookahead token comes from (DESIGN §4). A drafter proposes d_{t+1}, the token
-whose query predicts the blocks step t+1 needs; its K/V is never stored."""
+"""Where the lookahead token comes from (docs/design.md, "Drafters"). A drafter proposes
+d_{t+1}, the token whose query predicts the blocks step t+1 needs; its K/V is never stored."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,7 @@ LOOKUP_MAX_N, LOOKUP_WINDOW = 3, 4096  # prompt lookup: n-grams up to 3 tokens, 
 
 class TokenHistory:
     """A request's tokens in a growing array: prompt lookup scans it in place, every step,
-    without copying a Python list of the whole context (3 ms a request at 16K tokens)."""
+    without copying a Python list of the whole context."""
 
     def __init__(self, tokens: list[int]):
         self._buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)

@@ -1,6 +1,6 @@
-"""Host KV pool (DESIGN §2 "Host pool"): one preallocated arena holding the FULL KV of every
-sparse request, pinned when CUDA is present so host -> GPU copies (and UVA gathers, DESIGN §7)
-run at PCIe speed instead of the pageable 9 GB/s.
+"""Host KV pool (docs/design.md, "Memory layout"): one preallocated arena holding the FULL KV
+of every sparse request, pinned when CUDA is present so host -> GPU copies (and the fetch
+kernel's UVA reads) run at PCIe speed, which pageable memory does not reach.
 
 The unit is an item: the K and V of one (layer, block, kv head), `[2, block_size, head_dim]`,
 the same bytes as one GPU slot (kernels/reference.py), so one transfer is one contiguous item
@@ -52,10 +52,9 @@ HUGE_PAGE = 2 << 20
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Uninitialised host memory on 2 MiB boundaries, advised to the kernel as transparent huge
     pages (where THP is "madvise" or "always"; elsewhere ordinary memory). On 4 KiB pages the
-    GPU needs a translation for about every 8 KiB item the fetch reads through UVA. In a probe
-    at the decode step's footprint, that slowed the working-set attention beside the fetch by
-    ~6 µs a layer, and huge pages took it away; a 92 GiB pool also registers in 22 s instead
-    of 53 (docs/benchmarks.md, eighth session)."""
+    GPU needs a translation for about every 8 KiB item the fetch reads through UVA, which slows
+    the attention that runs beside the fetch; huge pages take that away, and a large pool also
+    registers with CUDA faster (`bench decode --host-pages huge|base` compares them)."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(shape, dtype=dtype)

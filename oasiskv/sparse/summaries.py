@@ -1,4 +1,4 @@
-"""Compressed key cache (Quest-style, DESIGN §2 "Compressed keys"): per (block, kv head) the
+"""Compressed key cache (Quest-style; docs/design.md, "Memory layout"): per (block, kv head) the
 elementwise min and max of the block's post-RoPE keys, 2 vectors per block = 1/16 of the KV
 bytes at block size 16. The scores of `block_scores` read only these.
 

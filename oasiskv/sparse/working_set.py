@@ -1,4 +1,5 @@
-"""The head-wise working set of one sparse request (DESIGN §2), and its per-step bookkeeping.
+"""The head-wise working set of one sparse request (docs/design.md, "Memory layout"), and its
+per-step bookkeeping.
 
 The request owns P = S + K + W GPU pages. Position i of head h (in every layer) is the
 physical slot `pages[i] * Hkv + h`; what changes from step to step is which logical block
