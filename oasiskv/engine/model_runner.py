@@ -87,7 +87,7 @@ class ModelRunner(SparseDecodeMixin):
         return model.eval().requires_grad_(False)
 
     def _use_pipeline(self) -> bool:
-        """Sparse decode runs through the batched pipeline (DESIGN §3: GPU-resident state, stages
+        """Sparse decode runs through the batched pipeline (docs/design.md: GPU-resident state, stages
         on side streams, one CUDA graph per step) on CUDA; the in-line per-request path stays for
         the oracle and on-demand drafters and as the reference on CPU."""
         mode = self.cfg.sparse_pipeline
@@ -196,7 +196,7 @@ class ModelRunner(SparseDecodeMixin):
         for i, a in enumerate(arrays):
             page_table[i, :len(a)] = a
         pt = self._h2d(page_table)
-        # Dense request: head h of block j lives at slot page_table[j] * Hkv + h (DESIGN §2).
+        # Dense request: head h of block j lives at slot page_table[j] * Hkv + h (docs/design.md, memory layout).
         slot_tables = (pt[:, None, :] * Hkv + torch.arange(Hkv, device=self.device)[None, :, None]).int()
         pos = self._h2d(positions)
         cache_lens = pos.int()[:, None].expand(B, Hkv).contiguous()

@@ -1,6 +1,6 @@
 """The sparse half of the model runner: decode steps of batches that hold sparse requests.
 
-Two paths (DESIGN §3): the batched lookahead pipeline (`run_with_pipeline`: GPU-resident state
+Two paths (docs/design.md): the batched lookahead pipeline (`run_with_pipeline`: GPU-resident state
 of every sparse request, one captured step) and the in-line per-request path
 (`run_sparse_decode`: the reference on CPU, and the oracle and on-demand drafters). Both run
 two query rows per request, the token and its lookahead draft, and pick the next draft the same

@@ -1,4 +1,4 @@
-"""Settings of sparse decode (DESIGN §2-§4): working-set shape, fetch cap, drafter, host pool."""
+"""Settings of sparse decode (docs/design.md): working-set shape, fetch cap, drafter, host pool."""
 from __future__ import annotations
 
 import math

@@ -1,12 +1,12 @@
 """Sparse decode of long requests: conversion, per-step tables, and the three stages of the
-lookahead pipeline run in line after each layer's attention (DESIGN §3):
+lookahead pipeline run in line after each layer's attention (docs/design.md):
 
     predict  (score every block from the summaries with the draft query, top-K per KV head)
     select   (capped eviction: which predicted blocks come in, which LRU blocks leave)
     transfer (copy the admitted (layer, block, head) items host -> their GPU slots)
 
-Each stage is a method with explicit inputs and outputs, so the pipeline issue can move them
-to background streams unchanged.
+Each stage is a method with explicit inputs and outputs; the CUDA pipeline
+(oasiskv/sparse/pipeline.py) runs the same stages on background streams.
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ class SparseManager:
         t["predicted"] += int((plan.hits + plan.missed).sum())
 
     def prefetch(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int, cap: int) -> None:
-        """predict -> select -> transfer, in line (this issue); the pipeline issue makes it async."""
+        """predict -> select -> transfer, in line (the CPU path and the reference for the pipeline)."""
         pred = self.predict(ws, layer, query, cached)
         plan, transfer = self.select(ws, layer, pred, cap)
         self.apply(ws, layer, plan, self.transfer(transfer))

@@ -1,4 +1,4 @@
-"""The lookahead prefetch pipeline (DESIGN §3, paper eq. (3)-(4)): the GPU-resident state of the
+"""The lookahead prefetch pipeline (docs/design.md, paper eq. (3)-(4)): the GPU-resident state of the
 sparse requests of a decode batch, and per layer three stages that run in the background:
 
     predict   score every block from the summaries with the draft query, top-K per KV head
@@ -49,80 +49,40 @@ from oasiskv.sparse.step_tables import RowState, StepTables, WriteThrough, step_
 from oasiskv.sparse.summaries import summary_dtype
 
 TRANSFER_BACKENDS = ("uva", "dma")
-# The decode kernel's splits per (request, kv head) over a working set. One: a working set is
-# only S + K + W blocks, and one program each (no merge launch) made the batch 16 step 0.16-0.61
-# ms faster than the kernel's own choice (4 splits) in 7 of 8 configurations of one H200 run,
-# 0.10 ms slower in the eighth (docs/benchmarks.md). The in-line path uses it too when only
-# working sets are in a batch.
+# The settings below were each chosen by side-by-side step timings (docs/benchmarks.md, "Where the 16K step goes").
+# Decode-kernel splits per (request, kv head) over a working set: S + K + W blocks is short, so
+# one program each and no merge launch. The in-line path uses it too for all-working-set batches.
 WORKING_SET_SPLITS = 1
-# From this many blocks (16K tokens) a layer's bounds scan is long enough that its stages
-# fork after o_proj (`stages_fork`). Until 2026-12-01 the pipelined step took two attention
-# splits from here instead, with the fork after the attention; with the o_proj fork one split
-# was faster at 32K too (7.77 / 7.78 against 7.85-7.93 ms with two, in one H200 process).
-# From 24K (1536 blocks) until the fetch moved onto whole SMs (TRANSFER_PROGRAMS); then the
-# o_proj fork was faster at 16K too, in 4 of 4 same-process pairs on one H200 (7.01 / 7.01 /
-# 6.97 / 7.01 against 7.09 / 7.09 / 7.07 / 7.08 ms; docs/benchmarks.md, tenth session).
-# Shorter requests were not measured with it, and keep the attention fork.
+# From this many blocks (16K tokens) a layer's bounds scan is long enough that its stages fork
+# after o_proj (`stages_fork`); shorter requests keep the attention fork.
 LONG_SCAN_BLOCKS = 1024
 # The bounds kernel (the prediction's scan of the summaries): 64 blocks a tile, 3 load stages,
-# and about 3 programs per (request, kv head), whatever the context. In one H200 call at
-# batch 16 the step was fastest where the tiling gave 3 programs: 16K 64:8:3 (7.46 ms; 2
-# programs: 7.55), 32K 64:16:3 (7.71 ms; 5 programs: 7.87, 2: 7.94).
+# and about 3 programs per (request, kv head) whatever the context.
 BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
-# The step's GEMMs through cuBLASLt, told to leave this many SMs to the stages (torch's SM
-# carve-out; the captured graph keeps the kernels chosen). On one H200 at batch 16, cuBLAS
-# launched 96-128 CTAs a GEMM, so the transfer programs pushed some into a second wave;
-# cuBLASLt with 8 SMs carved out launched 64-96 at the same speed alone, and o_proj and down
-# without a split-K reduce. In one process the step went 7.54 -> 7.33 ms at 16K and 8.41 ->
-# 8.15 ms at 32K against cuBLASLt without the carve-out (cuBLAS, the process before: 8.00 and
-# 8.32 ms), the stall under 1% (docs/benchmarks.md).
+# The step's GEMMs through cuBLASLt leave this many SMs to the stages (torch's SM carve-out; the
+# captured graph keeps the kernels chosen), so the transfer programs do not push GEMM CTAs into a
+# second wave.
 GEMM_SM_CARVEOUT = 8
-# The transfer kernel's grid: 4 programs, each with 16 items in flight and 32 warps. A program
-# then takes a whole SM's register file (64 registers x 1,024 threads), so no foreground program
-# shares an SM with it: beside the default 8 programs of 4 items and 8 warps, which fit next
-# to an attention program, the 5-stage working-set attention slowed from 39.4 to 46.9 µs a
-# layer, beside these 4 only to 42.1 (48.5 against 49.1 GB/s alone). In one H200 process at
-# batch 16 the step went 7.64 -> 7.03 ms at 16K and 7.78 -> 7.37 ms at 32K with 5 attention
-# stages, 7.44 -> 7.23 and 7.66 -> 7.64 with 3 (docs/benchmarks.md, tenth session).
+# The transfer kernel's grid: 4 programs of 16 items in flight and 32 warps. Each takes a whole
+# SM's register file (64 registers x 1,024 threads), so no attention program shares an SM with it.
 TRANSFER_PROGRAMS, TRANSFER_ITEMS, TRANSFER_WARPS = 4, 16, 32
-# The working-set attention's software-pipeline stages: 5 keeps two K/V tiles in flight
-# (~137 KB of shared memory a program at head_dim 128 in bf16, so only where an SM offers
-# ~200 KB: Hopper; float32 or head_dim 256 would need twice that, which no SM has). Alone it
-# is faster than 3 (39.4 against 49.4 µs a layer at batch 16), and with the fetch on whole SMs
-# (above) the step is too.
+# The working-set attention's software-pipeline stages: 5 keeps two K/V tiles in flight (~137 KB
+# of shared memory a program at head_dim 128 in bf16, so only where an SM offers ~200 KB: Hopper).
 WORKING_SET_STAGES, WORKING_SET_STAGES_SMEM = 5, 200 * 1024
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
-# With splits, the working-set attention's last split program of each (request, kv head) merges
-# them, instead of a merge launch (`paged_decode_triton`'s fused_merge). Measured on the H200:
-# no gain (44.3 against 44.5 µs alone at two splits; in the 16K step 7.63 against 7.65 ms at
-# two splits; docs/benchmarks.md), so off.
+# With splits, merge them in the last split program instead of a merge launch: no gain measured,
+# so off.
 ATTENTION_FUSED_MERGE = False
-# The transfer kernel's loads: 0 = the SM's load units (`fetch_admitted`'s default kernel), N > 0
-# = TMA box loads, N deep (`copy_items._fetch_tma`). On the H200 TMA reads pinned host memory
-# exactly and is faster per program (4 programs: 37.9 against 31.3 GB/s), but stops at about
-# 38 GB/s, where 8 load-unit programs reach 45.8: the batch 16 step took 9.04 / 9.29 ms with 8
-# TMA programs against 7.75 / 7.69 (16K / 32K; docs/benchmarks.md, sixth session), so off.
+# The transfer kernel's loads: 0 = the SM's load units, N > 0 = TMA box loads N deep
+# (`copy_items._fetch_tma`). TMA tops out below the load units' rate from pinned host memory, so off.
 TRANSFER_TMA_STAGES = 0
-# The transfer stream's priority (torch's scale: 0 the default, lower is higher). At 16K the
-# transfer's chain bounds the step: its 36 fetch launches are busy 6.7-6.9 ms of a 7.5 ms step,
-# and each starts more than 2 µs after its plan is ready, ~19 µs after the one before it ends
-# (docs/benchmarks.md, seventh session, item 4). With two attention splits the foreground got
-# faster and the step waited at the join instead (ninth session, item 5). A higher priority
-# lets the fetch's programs take SMs first as they free up. With the fetch on whole SMs
-# (TRANSFER_PROGRAMS) the step was 0.02-0.04 ms faster at high priority in 4 of 4 same-process
-# pairs on one H200 (16K 7.03 -> 7.01 and 7.08 -> 7.06 ms, 32K 7.37 -> 7.35 and 7.32 -> 7.29;
-# docs/benchmarks.md, tenth session): small, but every time, so -1.
+# The transfer stream's priority (torch's scale: lower is higher). The fetch's chain bounds the
+# step at 16K; a higher priority lets its programs take SMs first as they free up.
 TRANSFER_PRIORITY = -1
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
-# (the earliest point: the epilogue has folded the keys, the draft queries are copied), after
-# the o_proj GEMM, or after the MLP. Forked at the attention, the bounds scan's programs and
-# the o_proj GEMM race for the SMs the attention freed, and the GEMM waited ~10 µs a layer
-# (the 16K profile's idle-gap table, docs/benchmarks.md). Forked after o_proj, the GEMM's CTAs
-# are placed first and the scan fills the SMs around them. That pays once the scan is long:
-# in three same-process pairs on one H200 (batch 16, fp8 summaries, one split), 32K went
-# 8.16 / 8.15 / 8.08 -> 7.77 / 7.78 / 7.80 ms. At 16K the pairs went both ways (-0.03 to
-# +0.29 ms, +0.10 on average), so shorter requests keep the attention fork. After the MLP:
-# no gain at either. None: by the context (`stages_fork`); or one of STAGE_FORKS.
+# (the earliest point), after the o_proj GEMM (its CTAs are placed first and the scan fills the
+# SMs around them: pays once the scan is long), or after the MLP. None: by the context
+# (`stages_fork`); or one of STAGE_FORKS.
 STAGE_FORKS = ("attention", "o_proj", "mlp")
 STAGES_FORK = None
 
@@ -244,7 +204,7 @@ class LookaheadPipeline:
         self.stages = 3  # < 3: only the first stages run (predict; predict + select): benchmarks only
         # The last `deferred_layers` layers' transfers start the next step instead of ending this
         # one, and that step's layer l waits for its own (an event): the step's end then waits
-        # only on the transfers that had the step's slack (DESIGN §3 step 5). UVA backend only; by
+        # only on the transfers that had the step's slack (docs/design.md, the sparse decode step). UVA backend only; by
         # default on side streams only (in order, on CPU, nothing waits: tests may set it there).
         self.deferred_layers = DEFERRED_LAYERS if self.background and transfer_backend == "uva" else 0
         self.deferred_done = [torch.cuda.Event() for _ in range(L)] if self.background else []
@@ -557,7 +517,7 @@ class LookaheadPipeline:
                       self.extent_blocks[:B], block[:B], self.H, self.transfer_programs)
 
     def transfer_on_host(self) -> None:
-        """Backend "dma" (DESIGN §7: CPU gather into pinned staging, then one copy on the copy
+        """Backend "dma" (CPU gather into pinned staging, then one copy on the copy
         engine, which takes no SMs): after the step, CPU threads gather every layer's admitted
         items into pinned staging, one DMA copy brings them over, one scatter puts them in their
         slots, all before the next step. It reads the plan on the host, so it cannot live in the

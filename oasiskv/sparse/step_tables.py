@@ -9,8 +9,7 @@ later in the step (the next step's block count and window, whether the token com
 block, ...).
 
 On CUDA this is one launch. The torch form, kept for CPU and as the reference, is ~60 small
-launches; they ran serially at the head of every step, before layer 0 could start. As one
-launch, the batch 16 foreground on the H200 went from 6.89 to 6.67 ms (docs/benchmarks.md).
+launches that would run serially at the head of every step, before layer 0 could start.
 """
 from __future__ import annotations
 
