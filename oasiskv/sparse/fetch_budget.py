@@ -4,7 +4,7 @@ ratio of K, whatever the link can carry).
 A step may move at most what crosses the host -> GPU link while its foreground runs: budget =
 link rate x foreground time x margin, from the link rate measured at start-up and the
 foreground time of recent steps (`FetchBudget`). Each layer gets an equal share (every layer's
-transfer has the same slack: one step, docs/design.md, the sparse decode step). Inside a layer the share goes to the
+transfer has the same slack: one step; docs/design.md). Inside a layer the share goes to the
 candidates of every row (request, kv head) by predicted value: a row's i-th best missing block
 before any row's (i+1)-th (`share_budget`: by its rank in the row's prediction, then by score),
 and never more than the per-head cap C of the fixed ratio, so an unlimited budget admits
@@ -26,8 +26,8 @@ from oasiskv.sparse.capped_eviction import NO_CANDIDATE
 BUDGET_MODES = ("auto", "off")  # or a number: MB (10^6 bytes) per step
 # The share of the foreground time the transfer may fill: the fetch slows beside the GEMMs and
 # the attention (docs/design.md: 50 GB/s alone, less beside them), and the deferred layers cross
-# into the next step. At 0.8 a 48-row step on the H200 (qwen3-8b, 5K context) still waited
-# 0.9 ms at the join beside a 10.8 ms foreground (docs/benchmarks.md, scenarios).
+# into the next step; a larger margin left 48-row steps waiting at the join (docs/benchmarks.md,
+# "End-to-end serving (scenarios)").
 BUDGET_MARGIN = 0.7
 NOMINAL_LINK_BYTES_PER_S = 50e9  # pinned host reads by a GPU kernel, H200
 NOMINAL_STEP_S = 6e-3  # a batch-24 decode step of an 8B model on the H200
