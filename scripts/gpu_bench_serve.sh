@@ -78,7 +78,7 @@ run_case() {
 
 # `bash scripts/gpu_bench_serve.sh scenarios`: the scenario table (docs/benchmarks.md). One dense
 # server, then one sparse server, each started once and loaded with every scenario named in
-# SCENARIOS, in order; both with the same flags (--kv-cache-gb $KV_GB, "" = no limit) and the
+# SCENARIOS, in order (CASES=sparse: the sparse one alone); both with the same flags (--kv-cache-gb $KV_GB, "" = no limit) and the
 # same bench. Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and
 # scenarios.md (scripts/scenario_table.py). One call cannot hold them all: SCENARIOS picks.
 #   r48x6k: 48 x (1K in, 6K out)   r24x10k: 24 x (1K, 10K)   r16x16k: 16 x (1K, 16K)
@@ -120,8 +120,9 @@ run_scenarios() {  # CASE SERVER-FLAGS...: one server, every scenario's bench ag
 if [ "${1:-}" = scenarios ]; then
   BENCH_S=${BENCH_S:-400}
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-  run_scenarios dense
-  run_scenarios sparse --sparse --host-kv-gb "${HOST_KV_GB:-92}"
+  case " ${CASES:-dense sparse} " in *" dense "*) run_scenarios dense ;; esac
+  case " ${CASES:-dense sparse} " in *" sparse "*)
+    run_scenarios sparse --sparse --host-kv-gb "${HOST_KV_GB:-92}" ;; esac
   python3 scripts/scenario_table.py "$OUT" --kv-cache-gb "${KV_GB-24}" --scenarios ${SCENARIOS:-r24x10k}
   exit 0
 fi

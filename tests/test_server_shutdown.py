@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from server_client import call, free_port, metrics, stream_events
@@ -74,6 +76,13 @@ def test_sigterm_finishes_short_streams_and_ends_long_ones(server):
     except OSError:  # the listening socket is closed already
         status = None
     assert status in (None, 503)
+    try:  # /health tells a load balancer the replica is draining
+        health = urllib.request.urlopen(base + "/health", timeout=5).status
+    except urllib.error.HTTPError as e:
+        health = e.code
+    except OSError:
+        health = None
+    assert health in (None, 503)
     for c in clients:
         c.join(60)
     assert time.monotonic() - sent < 20  # --shutdown-timeout 8, then the error events go out at once

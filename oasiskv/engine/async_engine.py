@@ -95,9 +95,10 @@ class _Stop:
 class AsyncEngine:
     """`await engine.add_request(...)` -> RequestStream; `engine.abort(id)` frees it at once."""
 
-    def __init__(self, engine: LLMEngine, metrics=None, on_death=None):
+    def __init__(self, engine: LLMEngine, metrics=None, on_death=None, stat_logger=None):
         self.engine = engine
         self.metrics = metrics  # ServerMetrics, told about every step and finished request
+        self.stat_logger = stat_logger  # StatLogger: a line of statistics every few seconds
         self.on_death = on_death  # called (from the engine thread) once a fault has stopped it
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self._last_output: dict[str, float] = {}  # request id -> when its last output left
@@ -156,6 +157,8 @@ class AsyncEngine:
                     self._deliver(self.engine.step())
                 if self.metrics is not None:
                     self.metrics.observe_engine(self.engine)
+                if self.stat_logger is not None and not block:
+                    self.stat_logger.maybe_log(self.engine)
         except BaseException as e:  # a fault of the engine: fail every request rather than hang them
             log.exception("engine thread died")
             self.error = e

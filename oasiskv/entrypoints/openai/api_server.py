@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 import oasiskv
 from oasiskv.engine.async_engine import AsyncEngine
+from oasiskv.engine.stat_logger import StatLogger
 from oasiskv.entrypoints.metrics import ServerMetrics
 from oasiskv.entrypoints.openai.choice import ServerStopping
 from oasiskv.entrypoints.openai.cli_args import served_model_name
@@ -97,6 +98,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, a
     async def health():
         if not engine.is_running:
             return JSONResponse(error_body("the engine is not running", "service_unavailable"), status_code=503)
+        if draining.stopping:  # a load balancer takes the replica out while it drains
+            return JSONResponse(error_body("the server is shutting down", "service_unavailable"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -194,7 +197,8 @@ def run_server(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    engine = AsyncEngine(LLMEngine(engine_config(args)), metrics, on_death=on_engine_death)
+    stats = None if args.disable_log_stats else StatLogger(args.log_stats_interval)
+    engine = AsyncEngine(LLMEngine(engine_config(args)), metrics, on_death=on_engine_death, stat_logger=stats)
     api_key = args.api_key or os.environ.get("OASISKV_API_KEY") or None
     app = build_app(engine, metrics, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
                     body_timeout=args.body_timeout)

@@ -23,6 +23,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM; then their streams end "
                         "with an error event")
+    g.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between two lines of engine statistics in the log (throughput, "
+                        "running and waiting requests, KV usage, decode step time, sparse stall)")
+    g.add_argument("--disable-log-stats", action="store_true", help="no engine statistics in the log")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
