@@ -4,7 +4,8 @@ bytes moved against the budget), for dense and for sparse under each transfer bu
 device's kernels over a few steady steps (torch profiler, by total time).
 
 PYTHONPATH=. python3 scripts/gpu_profile_serving_step.py --rows 48 --context 5120 --cases dense off auto
-Writes serving_step.json and profile_<case>.txt under $OUT.
+Writes serving_step.json and profile_<case>_<rows>rows.txt under $OUT; --trace adds each case's
+kernels per CUDA stream (the foreground's busy time against its span) to the JSON.
 """
 from __future__ import annotations
 
@@ -34,16 +35,43 @@ def timed(obj, name, into):
     setattr(obj, name, wrapper)
 
 
+def trace_summary(path: str, steps: int) -> dict:
+    """Per CUDA stream of a profiler trace: kernels, their summed time and the span they cover
+    (per step); for the foreground (the stream with the most time), its top kernels."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    streams = defaultdict(list)
+    for e in events:
+        streams[e["args"].get("stream")].append(e)
+    out = {}
+    for sid, evs in streams.items():
+        busy = sum(e["dur"] for e in evs)
+        span = max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)
+        out[str(sid)] = {"kernels_per_step": round(len(evs) / steps, 1), "busy_ms_per_step": round(busy / steps / 1e3, 3),
+                         "span_ms": round(span / 1e3, 3)}
+    fg = max(streams, key=lambda k: sum(e["dur"] for e in streams[k]))
+    by_name = defaultdict(float)
+    for e in streams[fg]:
+        by_name[e["name"][:60]] += e["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return {"foreground_stream": str(fg), "streams": out,
+            "foreground_top_us_per_step": {k: round(v / steps, 1) for k, v in top}}
+
+
 def run_case(a, case: str, out_dir: str | None) -> dict:
-    sparse = case != "dense"
+    """case: dense, or a --fetch-budget value (auto, off, MB), optionally "/sN": N attention splits."""
+    budget, _, splits = case.partition("/s")
+    sparse = budget != "dense"
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
-                       fetch_budget=case if sparse else "auto", max_num_seqs=max(a.rows, 16),
+                       fetch_budget=budget if sparse else "auto", max_num_seqs=max(a.rows, 16),
                        max_model_len=a.context + a.steps + 64)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     row = {"case": case, "rows": a.rows, "context": a.context, "start_s": round(time.perf_counter() - t0, 1)}
     p = engine.runner.pipeline
+    if p is not None and splits:
+        p.attention_splits = int(splits)  # before the step's graph is captured (first use)
     if p is not None:
         row["link_GBps"] = round(p.budget.link_bytes_per_s / 1e9, 1)
     spent = defaultdict(float)
@@ -93,7 +121,13 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
                 if engine.has_unfinished():
                     engine.step()
             torch.cuda.synchronize()
-        with open(os.path.join(out_dir, f"profile_{case}.txt"), "w") as f:
+        name = f"{case.replace('/', '_')}_{a.rows}rows"
+        if a.trace:
+            trace = os.path.join(out_dir, f"trace_{name}.json")
+            prof.export_chrome_trace(trace)
+            row["trace"] = trace_summary(trace, a.profile_steps)
+            os.remove(trace)
+        with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
             f.write("\n\n")
             f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
@@ -112,7 +146,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
-    ap.add_argument("--rows", type=int, default=48)
+    ap.add_argument("--rows", type=int, nargs="+", default=[48])
     ap.add_argument("--context", type=int, default=5120)
     ap.add_argument("--steps", type=int, default=400, help="max_tokens of each request")
     ap.add_argument("--measure", type=int, default=150, help="engine steps timed once every request decodes")
@@ -121,13 +155,17 @@ def main():
     ap.add_argument("--kv-cache-gb", type=float, default=24)
     ap.add_argument("--host-kv-gb", type=float, default=48)
     ap.add_argument("--threshold", type=int, default=4096)
-    ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"])
+    ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
+                    help="dense, or a --fetch-budget value; a suffix /N sets N attention splits")
+    ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
     a = ap.parse_args()
     out_dir = os.environ.get("OUT")
     rows = []
-    for case in a.cases:
-        rows.append(run_case(a, case, out_dir))
-        print(json.dumps(rows[-1]), flush=True)
+    for n in list(a.rows):
+        a.rows = n
+        for case in a.cases:
+            rows.append(run_case(a, case, out_dir))
+            print(json.dumps(rows[-1]), flush=True)
     if out_dir:
         with open(os.path.join(out_dir, "serving_step.json"), "w") as f:
             json.dump(rows, f, indent=2)
