@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import time
 from collections import defaultdict
@@ -159,6 +160,7 @@ def main():
                     help="dense, or a --fetch-budget value; a suffix /N sets N attention splits")
     ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
     a = ap.parse_args()
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")  # conversions, graph builds
     out_dir = os.environ.get("OUT")
     rows = []
     for n in list(a.rows):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.models.tokenizer import load_tokenizer
 from oasiskv.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
 
 PENDING = -1  # stands for a token still on the device (async scheduling), never seen outside step()
 
@@ -232,6 +234,9 @@ class LLMEngine:
         """Requests whose context passed the threshold this step move their KV to the host."""
         runner = self.runner
         pending, runner.pending_conversions = runner.pending_conversions, []
+        if not pending:
+            return
+        t0, done = time.perf_counter(), runner.sparse.num_conversions
         for seq, last_q in pending:
             if seq.is_finished or seq.sparse is not None or seq.in_prefill:
                 continue
@@ -247,6 +252,9 @@ class LLMEngine:
             runner.sparse.convert(seq, last_q, pages)
             seq.pages, seq.convert_early = pages, False
             self.block_manager.give_back(dense_pages)
+        if runner.sparse.num_conversions > done:
+            log.info("%d requests converted to sparse in %.2f s", runner.sparse.num_conversions - done,
+                     time.perf_counter() - t0)
 
     def _account(self, batch, seconds: float) -> None:
         kind = "prefill" if batch.is_prefill else "decode"

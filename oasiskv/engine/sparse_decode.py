@@ -9,6 +9,9 @@ the `SparseManager` and the pipeline that these methods use.
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample_requests, to_host
@@ -18,6 +21,8 @@ from oasiskv.sparse.decode_step import SparseDecodeStep
 from oasiskv.sparse.pipeline import WORKING_SET_SPLITS
 from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
 from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
+
+log = logging.getLogger(__name__)
 
 
 class SparseDecodeMixin:
@@ -134,8 +139,11 @@ class SparseDecodeMixin:
         bucket = next((b for b in self._graph_buckets() if b >= n), n) if use_graph else n
         step = self.pipeline_steps.get(bucket)
         if step is None:
+            t0 = time.perf_counter()
             step = self.pipeline_steps[bucket] = SparseDecodeStep(
                 self.model, self.kv_caches, p, self.model_config.max_position_embeddings, use_graph, rows=bucket)
+            log.info("sparse decode step for %d rows built in %.2f s%s", bucket, time.perf_counter() - t0,
+                     " (a CUDA graph)" if use_graph else "")
         if ids is None:
             ids = on_device([[s.last_token_id, s.sparse.draft if s.sparse.draft is not None else s.last_token_id]
                              for s in seqs], dev)
