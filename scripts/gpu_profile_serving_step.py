@@ -65,14 +65,17 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     sparse = budget != "dense"
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
-                       fetch_budget=budget if sparse else "auto", max_num_seqs=max(a.rows, 16),
-                       max_model_len=a.context + a.steps + 64)
+                       fetch_budget=budget if sparse else "auto",
+                       max_num_seqs=a.max_num_seqs or max(a.rows, 16),
+                       max_model_len=a.max_model_len or a.context + a.steps + 64)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
-    row = {"case": case, "rows": a.rows, "context": a.context, "start_s": round(time.perf_counter() - t0, 1)}
+    row = {"case": case, "rows": a.rows, "context": a.context, "max_num_seqs": cfg.max_num_seqs,
+           "max_model_len": cfg.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
     p = engine.runner.pipeline
     if p is not None and splits:
-        p.attention_splits = int(splits)  # before the step's graph is captured (first use)
+        p.attention_splits = int(splits)
+        engine.runner.pipeline_steps.clear()  # the steps captured at start-up: built again with it
     if p is not None:
         row["link_GBps"] = round(p.budget.link_bytes_per_s / 1e9, 1)
     spent = defaultdict(float)
@@ -93,6 +96,9 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
         steps += 1
     torch.cuda.synchronize()
     row["warm_s"], row["warm_steps"] = round(time.perf_counter() - t0, 2), steps
+    for _ in range(5):  # the sparse step's graph is built on its first use
+        engine.step()
+    torch.cuda.synchronize()
     row["converting_s"] = round(spent["_convert_to_sparse"], 2)
     m = engine.runner.sparse
     before = dict(m.totals) if m is not None else {}
@@ -155,6 +161,8 @@ def main():
     ap.add_argument("--max-warm-steps", type=int, default=300, help="dense: requests the pool cannot hold wait")
     ap.add_argument("--kv-cache-gb", type=float, default=24)
     ap.add_argument("--host-kv-gb", type=float, default=48)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the rows (at least 16)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: context + steps + 64")
     ap.add_argument("--threshold", type=int, default=4096)
     ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
                     help="dense, or a --fetch-budget value; a suffix /N sets N attention splits")

@@ -67,11 +67,13 @@ class ModelRunner(SparseDecodeMixin):
             self.sparse.pipeline = self.pipeline
             if self.device.type == "cuda":  # events inside the captured step: the stall per step
                 self.pipeline.timing = PipelineTiming(mc.num_layers)
-        self.pipeline_steps: dict[int, SparseDecodeStep] = {}  # per batch bucket, captured on first use
+        self.pipeline_steps: dict[int, SparseDecodeStep] = {}  # per batch bucket (`pipeline_step`)
         self.pending_conversions: list[tuple[Sequence, torch.Tensor]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_decode_graphs()
+            if self.pipeline is not None:
+                self.capture_pipeline_steps()
 
     # ---- set-up -------------------------------------------------------------------------
     def _load_model(self) -> LlamaForCausalLM:

@@ -126,6 +126,26 @@ class SparseDecodeMixin:
         pairs, host, ready = self.launch_pipeline_decode(seqs)
         return self.read_pipeline_decode(seqs, read_host(host, ready))
 
+    def pipeline_step(self, bucket: int, use_graph: bool) -> SparseDecodeStep:
+        """The pipeline's decode step over `bucket` rows, built (a CUDA graph captured) once."""
+        step = self.pipeline_steps.get(bucket)
+        if step is None:
+            t0 = time.perf_counter()
+            step = self.pipeline_steps[bucket] = SparseDecodeStep(
+                self.model, self.kv_caches, self.pipeline, self.model_config.max_position_embeddings, use_graph,
+                rows=bucket)
+            log.debug("sparse decode step for %d rows built in %.2f s", bucket, time.perf_counter() - t0)
+        return step
+
+    def capture_pipeline_steps(self) -> None:
+        """Every batch bucket's sparse step at start-up, as the dense graphs are: the first
+        conversion then does not stop the engine for the kernels' compilation and the capture."""
+        t0 = time.perf_counter()
+        for bucket in self._graph_buckets():
+            self.pipeline_step(bucket, use_graph=True)
+        log.info("captured the sparse decode step for %d batch sizes in %.1f s", len(self.pipeline_steps),
+                 time.perf_counter() - t0)
+
     def launch_pipeline_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """A step of the sparse requests that does not wait for the device: the pipeline's used
         rows run as one bucket (rows of requests not in this batch, and padding, are inactive:
@@ -137,13 +157,7 @@ class SparseDecodeMixin:
         use_graph = dev.type == "cuda" and not self.cfg.enforce_eager
         n = p.num_rows
         bucket = next((b for b in self._graph_buckets() if b >= n), n) if use_graph else n
-        step = self.pipeline_steps.get(bucket)
-        if step is None:
-            t0 = time.perf_counter()
-            step = self.pipeline_steps[bucket] = SparseDecodeStep(
-                self.model, self.kv_caches, p, self.model_config.max_position_embeddings, use_graph, rows=bucket)
-            log.info("sparse decode step for %d rows built in %.2f s%s", bucket, time.perf_counter() - t0,
-                     " (a CUDA graph)" if use_graph else "")
+        step = self.pipeline_step(bucket, use_graph)
         if ids is None:
             ids = on_device([[s.last_token_id, s.sparse.draft if s.sparse.draft is not None else s.last_token_id]
                              for s in seqs], dev)

@@ -162,29 +162,31 @@ class SparseManager:
                         last_selected=torch.full((L, H, cfg.top_k_blocks), -1, dtype=torch.int64),
                         kmin=kmin, kmax=kmax)
         items = self.host.extent_items(ext)  # [L, max_blocks, H, 2, bs, D]
-        win_start = ws.window_start(n, bs)
-        cur = n // bs
+        # Every layer's blocks go to the host and into summaries without a sync between layers.
         for layer in range(L):
             block_kv = self.kv[layer][dense_slots]  # [nb, H, 2, bs, D]
             items[layer, :nb].copy_(block_kv, non_blocking=True)
             keys = block_kv[:, :, 0].transpose(1, 2).reshape(nb * bs, H, self.D)[:n]
             write_block_minmax(kmin[layer], kmax[layer], keys, bs)
-            pred = self.predict(ws, layer, last_q[layer], n)
-            positions = list(range(cfg.sink_blocks))
-            blocks = list(range(cfg.sink_blocks))
-            for b in range(win_start, cur + (1 if n % bs else 0)):
-                positions.append(ws.window_position(b))
-                blocks.append(b)
-            pos = torch.tensor(positions, dtype=torch.long)
-            ws.blocks[layer][:, pos] = torch.tensor(blocks, dtype=torch.int32)[None, :]
-            ws.blocks[layer][:, ws.dynamic] = pred.blocks.cpu()
-            ws.last_selected[layer] = torch.where(pred.blocks.cpu() >= 0, self.step, -1)
-            # Copy every held block from its dense page into its working-set slot (GPU -> GPU).
-            held = ws.blocks[layer]  # [H, P]
-            h_idx, p_idx = torch.nonzero(held >= 0, as_tuple=True)
-            src = dense_slots[held[h_idx, p_idx].long().to(self.device), h_idx.to(self.device)]
-            dst = torch.tensor(new_pages, device=self.device)[p_idx.to(self.device)] * H + h_idx.to(self.device)
-            self.kv[layer][dst] = self.kv[layer][src]
+        # The top-K of every layer in one scan, each layer's summaries taken as a sequence.
+        win_start, cur = ws.window_start(n, bs), n // bs
+        dev = self.device
+        pred, _ = score_topk(last_q, kmin.view(L * max_blocks, H, self.D), kmax.view(L * max_blocks, H, self.D),
+                             torch.arange(L, device=dev) * max_blocks, torch.full((L,), n // bs + 1, device=dev),
+                             self.G, cfg.top_k_blocks, max_blocks=max_blocks, num_sink=cfg.sink_blocks,
+                             window_start=torch.full((L,), win_start, device=dev))
+        pred = pred.cpu()  # [L, H, K]: the one sync
+        sinks_and_window = list(range(cfg.sink_blocks)) + list(range(win_start, cur + (1 if n % bs else 0)))
+        positions = [b if b < cfg.sink_blocks else ws.window_position(b) for b in sinks_and_window]
+        ws.blocks[:, :, positions] = torch.tensor(sinks_and_window, dtype=torch.int32)
+        ws.blocks[:, :, ws.dynamic] = pred
+        ws.last_selected.copy_(torch.where(pred >= 0, self.step, -1))
+        # Copy every held block from its dense page into its working-set slot (GPU -> GPU); the
+        # host copies above read gathered copies, so new pages may be the request's own.
+        l_idx, h_idx, p_idx = (i.to(dev) for i in torch.nonzero(ws.blocks >= 0, as_tuple=True))
+        src = dense_slots[ws.blocks.to(dev)[l_idx, h_idx, p_idx].long(), h_idx]
+        dst = torch.tensor(new_pages, device=dev)[p_idx] * H + h_idx
+        self.kv[l_idx, dst] = self.kv[l_idx, src]
         # The first sparse step has no draft row to take an argmax from: start the chain with
         # prompt lookup instead of a copy of the current token (a cold start measured in
         # docs/accuracy.md as one step of `prev`-quality prediction).
