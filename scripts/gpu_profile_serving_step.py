@@ -61,7 +61,8 @@ def trace_summary(path: str, steps: int) -> dict:
 
 def run_case(a, case: str, out_dir: str | None) -> dict:
     """case: dense, or a --fetch-budget value (auto, off, MB), optionally "/sN": N attention splits."""
-    budget, _, splits = case.partition("/s")
+    budget, *knobs = case.split("/")
+    knobs = {k[0]: int(k[1:]) for k in knobs}  # s: attention splits, f / t: foreground / transfer priority -N
     sparse = budget != "dense"
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
@@ -73,9 +74,14 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     row = {"case": case, "rows": a.rows, "context": a.context, "max_num_seqs": cfg.max_num_seqs,
            "max_model_len": cfg.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
     p = engine.runner.pipeline
-    if p is not None and splits:
-        p.attention_splits = int(splits)
-        engine.runner.pipeline_steps.clear()  # the steps captured at start-up: built again with it
+    if p is not None and knobs:
+        if "s" in knobs:
+            p.attention_splits = knobs["s"]
+        if "f" in knobs:
+            p.foreground_priority = -knobs["f"]
+        if "t" in knobs:
+            p.streams[2] = torch.cuda.Stream(p.device, priority=-knobs["t"])
+        engine.runner.pipeline_steps.clear()  # the steps captured at start-up: built again with them
     if p is not None:
         row["link_GBps"] = round(p.budget.link_bytes_per_s / 1e9, 1)
     spent = defaultdict(float)
@@ -165,7 +171,8 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=None, help="default: context + steps + 64")
     ap.add_argument("--threshold", type=int, default=4096)
     ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
-                    help="dense, or a --fetch-budget value; a suffix /N sets N attention splits")
+                    help="dense, or a --fetch-budget value; suffixes /sN: N attention splits, /fN, /tN: foreground, "
+                         "transfer stream priority -N")
     ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
     a = ap.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")  # conversions, graph builds

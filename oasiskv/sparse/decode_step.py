@@ -56,7 +56,9 @@ class SparseDecodeStep:
             p.active.copy_(active)
             p.step.copy_(step)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            priority = p.foreground_priority
+            capture = None if priority is None else torch.cuda.Stream(p.device, priority=priority)
+            with torch.cuda.graph(self.graph, stream=capture):
                 self.hidden = self._forward()
         torch.cuda.synchronize()
 

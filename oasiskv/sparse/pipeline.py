@@ -79,6 +79,9 @@ TRANSFER_TMA_STAGES = 0
 # The transfer stream's priority (torch's scale: lower is higher). The fetch's chain bounds the
 # step at 16K; a higher priority lets its programs take SMs first as they free up.
 TRANSFER_PRIORITY = -1
+# The foreground's priority inside the captured step (None: the capture stream's default, low):
+# higher lets its kernels take SMs before the prediction's and selection's programs.
+FOREGROUND_PRIORITY = None
 # Where in layer l the foreground hands its stages to the predict stream: after the attention
 # (the earliest point), after the o_proj GEMM (its CTAs are placed first and the scan fills the
 # SMs around them: pays once the scan is long), or after the MLP. None: by the context
@@ -193,6 +196,7 @@ class LookaheadPipeline:
         self.host_items = device_view(host.items, dev) if dev.type == "cuda" else host.items
         self.background = dev.type == "cuda" if background is None else background
         self.transfer_priority = transfer_priority
+        self.foreground_priority = FOREGROUND_PRIORITY
         if self.background:  # predict, select, transfer (graph nodes keep their stream's priority)
             self.streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev),
                             torch.cuda.Stream(dev, priority=transfer_priority)]
