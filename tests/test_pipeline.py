@@ -14,12 +14,16 @@ BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, s
               sparse_threshold=256, fetch_ratio=0.25, host_kv_gb=0.25)
 
 
-@pytest.mark.parametrize("drafter,temperature,deferred", [("self", 0, 0), ("prev", 0, 0), ("self", 0.8, 0),
-                                                          ("self", 0, 3)])
-def test_pipeline_matches_inline_path(drafter, temperature, deferred):
+@pytest.mark.parametrize("drafter,temperature,deferred,narrow", [("self", 0, 0, False), ("prev", 0, 0, False),
+                                                                 ("self", 0.8, 0, False), ("self", 0, 3, True)])
+def test_pipeline_matches_inline_path(drafter, temperature, deferred, narrow, monkeypatch):
     """deferred: the last layers' transfers and the write-through open the next step (as on
     CUDA, in order here): they wait a step, and land before rows move when a request finishes.
-    The host pools end equal too: every block either path completed was written through."""
+    The host pools end equal too: every block either path completed was written through.
+    narrow: the prediction scans the narrowest width that holds the step's requests (widths
+    16, 32, 48 blocks here), not the model's length."""
+    if narrow:
+        monkeypatch.setattr("oasiskv.sparse.pipeline.SCAN_BUCKET_BLOCKS", 16)
     text = open(argparse.__file__).read()
     runs, pools = {}, {}
     for path in ("off", "on"):
@@ -45,6 +49,8 @@ def test_pipeline_matches_inline_path(drafter, temperature, deferred):
         if path == "on":
             assert llm.engine.runner.pipeline is not None and llm.engine.runner.pipeline.num_rows == 0
     assert checked and all(checked)
+    if narrow:  # the steps ran at widths below the model's 48 blocks
+        assert {scan for _, scan in llm.engine.runner.pipeline_steps} == {32}
     assert torch.equal(pools["on"], pools["off"])
     for ref, got in zip(runs["off"], runs["on"]):
         assert got.token_ids == ref.token_ids

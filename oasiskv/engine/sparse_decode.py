@@ -18,7 +18,7 @@ from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample_requ
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse.decode_step import SparseDecodeStep
-from oasiskv.sparse.pipeline import WORKING_SET_SPLITS
+from oasiskv.sparse.pipeline import WORKING_SET_SPLITS, scan_buckets
 from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
 from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
@@ -126,25 +126,34 @@ class SparseDecodeMixin:
         pairs, host, ready = self.launch_pipeline_decode(seqs)
         return self.read_pipeline_decode(seqs, read_host(host, ready))
 
-    def pipeline_step(self, bucket: int, use_graph: bool) -> SparseDecodeStep:
-        """The pipeline's decode step over `bucket` rows, built (a CUDA graph captured) once."""
-        step = self.pipeline_steps.get(bucket)
+    def pipeline_step(self, bucket: int, scan: int, use_graph: bool) -> SparseDecodeStep:
+        """The pipeline's decode step over `bucket` rows whose prediction scans `scan` blocks
+        per request, built (a CUDA graph captured) once."""
+        step = self.pipeline_steps.get((bucket, scan))
         if step is None:
             t0 = time.perf_counter()
-            step = self.pipeline_steps[bucket] = SparseDecodeStep(
+            step = self.pipeline_steps[bucket, scan] = SparseDecodeStep(
                 self.model, self.kv_caches, self.pipeline, self.model_config.max_position_embeddings, use_graph,
-                rows=bucket)
-            log.debug("sparse decode step for %d rows built in %.2f s", bucket, time.perf_counter() - t0)
+                rows=bucket, scan_blocks=scan)
+            log.debug("sparse decode step for %d rows, %d blocks built in %.2f s", bucket, scan,
+                      time.perf_counter() - t0)
         return step
 
+    def scan_width(self, seqs: list[Sequence]) -> int:
+        """The narrowest prediction scan that holds every request of the step: the blocks its
+        next step will have, and a block to spare."""
+        need = max(s.num_tokens for s in seqs) // self.block_size + 3
+        return next(b for b in scan_buckets(self.pipeline.max_blocks) if b >= need)
+
     def capture_pipeline_steps(self) -> None:
-        """Every batch bucket's sparse step at start-up, as the dense graphs are: the first
-        conversion then does not stop the engine for the kernels' compilation and the capture."""
+        """Every (batch bucket, scan width) sparse step at start-up, as the dense graphs are: the
+        first conversion then does not stop the engine for compilation and capture."""
         t0 = time.perf_counter()
         for bucket in self._graph_buckets():
-            self.pipeline_step(bucket, use_graph=True)
-        log.info("captured the sparse decode step for %d batch sizes in %.1f s", len(self.pipeline_steps),
-                 time.perf_counter() - t0)
+            for scan in scan_buckets(self.pipeline.max_blocks):
+                self.pipeline_step(bucket, scan, use_graph=True)
+        log.info("captured the sparse decode step for %d batch sizes x scan widths in %.1f s",
+                 len(self.pipeline_steps), time.perf_counter() - t0)
 
     def launch_pipeline_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """A step of the sparse requests that does not wait for the device: the pipeline's used
@@ -157,7 +166,7 @@ class SparseDecodeMixin:
         use_graph = dev.type == "cuda" and not self.cfg.enforce_eager
         n = p.num_rows
         bucket = next((b for b in self._graph_buckets() if b >= n), n) if use_graph else n
-        step = self.pipeline_step(bucket, use_graph)
+        step = self.pipeline_step(bucket, self.scan_width(seqs), use_graph)
         if ids is None:
             ids = on_device([[s.last_token_id, s.sparse.draft if s.sparse.draft is not None else s.last_token_id]
                              for s in seqs], dev)

@@ -16,10 +16,12 @@ from oasiskv.sparse.pipeline import LookaheadPipeline
 
 class SparseDecodeStep:
     def __init__(self, model, kv_caches: list[torch.Tensor], pipeline: LookaheadPipeline,
-                 max_position: int, use_graph: bool, rows: int | None = None):
-        """rows: the step runs over the pipeline's first `rows` rows (a batch-size bucket)."""
+                 max_position: int, use_graph: bool, rows: int | None = None, scan_blocks: int | None = None):
+        """rows: the step runs over the pipeline's first `rows` rows (a batch-size bucket);
+        scan_blocks: the prediction's width (`pipeline.scan_buckets`; None: the pipeline's)."""
         p = self.pipeline = pipeline
         self.rows = rows or p.R
+        self.scan_blocks = scan_blocks
         self.model, self.kv_caches, self.max_position = model, kv_caches, max_position
         self.ids = torch.zeros(self.rows * 2, dtype=torch.long, device=p.device)
         self.graph = None
@@ -30,6 +32,8 @@ class SparseDecodeStep:
     def _forward(self) -> torch.Tensor:
         p, R = self.pipeline, self.rows
         p.B = R
+        if self.scan_blocks is not None:
+            p.set_scan(self.scan_blocks)
         if p.timing is not None:
             p.timing.start.record()
         p.start_clock()

@@ -70,6 +70,7 @@ TRANSFER_PROGRAMS, TRANSFER_ITEMS, TRANSFER_WARPS = 4, 16, 32
 # of shared memory a program at head_dim 128 in bf16, so only where an SM offers ~200 KB: Hopper).
 WORKING_SET_STAGES, WORKING_SET_STAGES_SMEM = 5, 200 * 1024
 DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
+SCAN_BUCKET_BLOCKS = 512  # the narrowest prediction scan of a captured step (8K tokens at block 16)
 # With splits, merge them in the last split program instead of a merge launch: no gain measured,
 # so off.
 ATTENTION_FUSED_MERGE = False
@@ -95,6 +96,17 @@ def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS
     tiles per program that give each (request, kv head) about BOUNDS_PROGRAMS_PER_HEAD programs."""
     tiles = -(-max_blocks // tile)
     return tile, max(1, -(-tiles // BOUNDS_PROGRAMS_PER_HEAD)), stages
+
+
+def scan_buckets(max_blocks: int) -> list[int]:
+    """The widths a captured step's prediction may scan: SCAN_BUCKET_BLOCKS, doubling, then
+    `max_blocks`. A step is built per width, and runs with the narrowest that holds its longest
+    request, so the scan's cost follows the batch's contexts rather than the model's length."""
+    widths, b = [], SCAN_BUCKET_BLOCKS
+    while b < max_blocks:
+        widths.append(b)
+        b *= 2
+    return widths + [max_blocks]
 
 
 def stages_fork(max_blocks: int) -> str:
@@ -132,6 +144,7 @@ class LookaheadPipeline:
         self.B = max_rows  # rows a step runs over: the first B (a graph bucket); set per step
         self.owners: list = []  # the WorkingSet in each used row; used rows are 0 .. len-1
         self.max_blocks = max_blocks
+        self.scan_blocks = max_blocks  # blocks the prediction scans per request (`set_scan`)
         self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
         self.transfer_programs = transfer_programs
         self.transfer_items = TRANSFER_ITEMS  # items each transfer program has in flight
@@ -216,6 +229,13 @@ class LookaheadPipeline:
         self.last_write = WriteThrough(torch.zeros(R, dtype=torch.bool, device=dev),
                                        torch.zeros(R, dtype=torch.long, device=dev),
                                        torch.zeros(R, dtype=torch.long, device=dev))
+
+    def set_scan(self, blocks: int) -> None:
+        """The steps built from now on scan `blocks` blocks per request (every request of the
+        step must have at most that many); the bounds kernel's tiling and the fork follow."""
+        self.scan_blocks = blocks
+        self.bounds_tiling = bounds_tiling(blocks)
+        self.stages_fork = stages_fork(blocks)
 
     # ---- the transfer budget ---------------------------------------------------------
     def set_budget(self) -> None:
@@ -480,7 +500,7 @@ class LookaheadPipeline:
     def predict(self, layer: int) -> None:
         B, H = self.B, self.H
         score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
-                     self.next_blocks[:B], self.G, self.K, max_blocks=self.max_blocks, num_sink=self.S,
+                     self.next_blocks[:B], self.G, self.K, max_blocks=self.scan_blocks, num_sink=self.S,
                      window_start=self.next_window[:B],
                      out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
                      block_tile=self.bounds_tiling[0], tiles_per_program=self.bounds_tiling[1],
