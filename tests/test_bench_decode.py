@@ -42,9 +42,14 @@ def test_bench_decode_runs_every_part_and_respects_the_cap(tmp_path, capsys, asy
         assert 0 < run["fetched_bytes_per_step"] <= run["cap"] * per_cap_unit * item
         assert 0 <= run["hit_rate"] <= 1
         assert run["output_tok_s"] > 0 and run["roofline_ms"] > 0
-    assert [r["fetch_ratio"] for r in res["fetch_ablation"]] == list(FETCH_RATIOS)
-    caps = [r["cap"] for r in res["fetch_ablation"]]
+    *fixed, auto = res["fetch_ablation"]
+    assert [r["fetch_ratio"] for r in fixed] == list(FETCH_RATIOS) and {r["fetch_budget"] for r in fixed} == {"off"}
+    caps = [r["cap"] for r in fixed]
     assert caps == sorted(caps) and caps[-1] == 8  # fetch-all: C = K
+    # the auto budget at the default ratio: the nominal CPU budget is far above what the cap moves
+    assert auto["fetch_budget"] == "auto" and auto["budget_mb_per_step"] > 0
+    assert auto["fetched_bytes_per_step"] == next(r for r in fixed if r["fetch_ratio"] == auto["fetch_ratio"])[
+        "fetched_bytes_per_step"]
     cap = res["capacity"]
     assert cap["sparse_max_batch"] == min(cap["sparse_max_batch_gpu"], cap["sparse_max_batch_host"])
     assert cap["sparse_max_batch"] > cap["dense_max_batch"] >= 1

@@ -95,7 +95,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="capacity mode: GPU memory (GiB) for KV state — dense pages, or sparse working "
                         "sets + summaries; reports the largest batch each mode admits and its throughput")
     p.add_argument("--fetch-ablation", action="store_true", help="sparse across fetch ratios " +
-                   ", ".join(map(str, FETCH_RATIOS)))
+                   ", ".join(map(str, FETCH_RATIOS)) + ", then the auto transfer budget at the default ratio")
     p.add_argument("--host-pages", choices=["huge", "base"], default="huge",
                    help="the pinned host pool on 2 MiB transparent huge pages (default) or 4 KiB base pages")
     p.add_argument("--output-json", default=None)
@@ -196,17 +196,18 @@ class DecodeBench:
                    attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
                    attention_stages: int | None = None, fused_merge: bool = False,
                    stages_fork: str | None = None, tma_stages: int | None = None,
-                   transfer_priority: str = "auto") -> dict:
+                   transfer_priority: str = "auto", fetch_budget: str = "off") -> dict:
         from oasiskv.kernels.copy_items import ITEMS_PER_LOAD, NUM_WARPS
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
 
         r, mc, bs = self.runner, self.mc, self.bs
-        # The fixed cap alone (`--fetch-budget off`): this bench times steps outside the engine,
-        # which is what times the foreground that the auto budget follows.
+        # The fixed cap alone unless asked (`fetch_budget`): "auto" reads each step's clock back
+        # with its tokens, as the engine does, so the budget follows the measured foreground.
         cfg = dataclasses.replace(self.sparse_cfg, fetch_ratio=fetch_ratio or self.sparse_cfg.fetch_ratio,
-                                  summary_dtype=summary_dtype or self.sparse_cfg.summary_dtype, fetch_budget="off")
+                                  summary_dtype=summary_dtype or self.sparse_cfg.summary_dtype,
+                                  fetch_budget=fetch_budget)
         P, K, S, W = cfg.working_set_blocks, cfg.top_k_blocks, cfg.sink_blocks, cfg.window_blocks
         nb = self.blocks(context)
         if batch * P > r.num_pages:
@@ -264,6 +265,7 @@ class DecodeBench:
             ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
 
             in_flight = None
+            budgeted = p.budget.enabled
 
             def step():
                 nonlocal ids, in_flight
@@ -271,12 +273,17 @@ class DecodeBench:
                 tokens = logits[0::2].argmax(-1)
                 drafts = logits[1::2].argmax(-1)  # `self`: the draft row's own next-token guess
                 ids = torch.stack([tokens, drafts], 1).view(-1)
-                # The engine needs the tokens on the host every step: now, or (async) one step later.
-                launched = to_host(tokens)
+                # The engine needs the tokens on the host every step: now, or (async) one step later;
+                # under a budget the step's clock and counters come with them.
+                launched = to_host(torch.cat([tokens, p.step_readout().long()]) if budgeted else tokens)
                 if not self.overlap:
-                    read_host(*launched)
+                    done = read_host(*launched)
                 elif in_flight is not None:
-                    read_host(*in_flight)
+                    done = read_host(*in_flight)
+                else:
+                    done = None
+                if budgeted and done is not None:
+                    p.read_step(done[batch:])
                 in_flight = launched
 
             counters = lambda: (p.stats.sum(0).tolist(), p.fetched_bytes)  # noqa: E731
@@ -290,6 +297,8 @@ class DecodeBench:
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
             res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
+                       fetch_budget=fetch_budget,
+                       budget_mb_per_step=p.budget.step_bytes / 1e6 if p.budget.enabled else None,
                        pipeline_stages=stages,
                        transfer_programs=p.transfer_programs, transfer_items=p.transfer_items,
                        transfer_warps=p.transfer_warps,
@@ -522,8 +531,8 @@ def run_decode_bench(args) -> int:
         result["fetch_ablation"] = []
         print(f"fetch-cap ablation, batch {args.batch_size}, context {args.context_len}:")
         print_header()
-        for ratio in FETCH_RATIOS:
-            run = bench.run_sparse(args.batch_size, args.context_len, ratio)
+        for ratio, budget in [(r, "off") for r in FETCH_RATIOS] + [(None, "auto")]:
+            run = bench.run_sparse(args.batch_size, args.context_len, ratio, fetch_budget=budget)
             result["fetch_ablation"].append(run)
             print_row(run)
             save()
@@ -568,7 +577,7 @@ def print_row(r: dict) -> None:
     if r.get("pipeline_stages", 3) < 3:
         mode = ("predict", "select")[r["pipeline_stages"] - 1]
     print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {'on' if r.get('async_scheduling') else 'off':>5} "
-          f"{r.get('fetch_ratio', 0) if sp else '':>5} "
+          f"{('auto' if r.get('fetch_budget') == 'auto' else r.get('fetch_ratio', 0)) if sp else '':>5} "
           f"{(r.get('transfer_programs') if r.get('transfer_backend') == 'uva' else 'dma') if sp else '':>3} "
           f"{r['output_tok_s']:>8.0f} {r['step_ms']:>8.2f} {r['kv_read_bytes_per_step'] / 1e9:>6.2f} "
           f"{r['fetched_bytes_per_step'] / 1e6:>8.1f} {r['transfer_gb_s']:>5.1f} "
