@@ -8,8 +8,9 @@ from oasiskv.sparse.config import SparseConfig, auto_threshold
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # HF dir, .gguf file, preset name; None = embedded SmolLM2-135M
+    model: str | None = None  # HF dir, .gguf file, downloaded or preset name; None = embedded SmolLM2-135M
     load_format: str = "auto"  # auto | dummy
+    rope_scaling: dict | None = None  # over the model's own, e.g. YaRN {"rope_type": "yarn", "factor": 4.0, ...}
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     seed: int = 0

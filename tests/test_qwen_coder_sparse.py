@@ -1,0 +1,29 @@
+"""Sparse decode on Qwen2.5-Coder-0.5B (14 query heads per 2 KV heads) at ~2K tokens: the fast
+form of docs/accuracy.md's runs. Passkey: sparse at K = 32 (a third of the context) finds the
+keys dense finds, on the suite's filler and in real source code. Skipped when the model is
+not downloaded."""
+from __future__ import annotations
+
+import pytest
+
+from oasiskv import LLM
+from oasiskv.eval.passkey import make_case, score
+from oasiskv.eval.texts import module_source
+from oasiskv.models.downloads import DOWNLOADS
+
+MODEL = "qwen2.5-coder-0.5b"
+pytestmark = pytest.mark.skipif(not DOWNLOADS[MODEL].path.is_file(),
+                                reason=f"{MODEL} is not downloaded (oasiskv download {MODEL})")
+SPARSE = dict(sparse=True, top_k_blocks=32, window_blocks=4, sink_blocks=1, sparse_threshold=1024,
+              drafter="self", host_kv_gb=1.0)
+
+
+def test_passkey_2k_sparse_equals_dense():
+    dense = LLM(MODEL, max_model_len=2100, kv_cache_gb=0.5)
+    tok = dense.tokenizer
+    code = tok.encode(module_source("argparse"), add_special_tokens=False)
+    cases = [make_case(tok, 2000, 0.3, 0), make_case(tok, 2000, 0.6, 1, "argparse", code)]
+    dense_right = score(dense, cases, exact=True)
+    del dense
+    assert all(dense_right)  # the model can do it
+    assert score(LLM(MODEL, max_model_len=2100, kv_cache_gb=0.5, **SPARSE), cases, exact=True) == dense_right
