@@ -67,7 +67,7 @@ class ModelRunner(SparseDecodeMixin):
             self.sparse.pipeline = self.pipeline
             if self.device.type == "cuda":  # events inside the captured step: the stall per step
                 self.pipeline.timing = PipelineTiming(mc.num_layers)
-        self.pipeline_steps: dict[int, SparseDecodeStep] = {}  # per batch bucket (`pipeline_step`)
+        self.pipeline_steps: dict[tuple[int, int], SparseDecodeStep] = {}  # per (batch bucket, scan width)
         self.pending_conversions: list[tuple[Sequence, torch.Tensor]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not cfg.enforce_eager:

@@ -172,7 +172,7 @@ class SparseManager:
         win_start, cur = ws.window_start(n, bs), n // bs
         dev = self.device
         pred, _ = score_topk(last_q, kmin.view(L * max_blocks, H, self.D), kmax.view(L * max_blocks, H, self.D),
-                             torch.arange(L, device=dev) * max_blocks, torch.full((L,), n // bs + 1, device=dev),
+                             torch.arange(L, device=dev) * max_blocks, torch.full((L,), cur + 1, device=dev),
                              self.G, cfg.top_k_blocks, max_blocks=max_blocks, num_sink=cfg.sink_blocks,
                              window_start=torch.full((L,), win_start, device=dev))
         pred = pred.cpu()  # [L, H, K]: the one sync
