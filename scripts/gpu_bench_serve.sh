@@ -124,6 +124,9 @@ if [ "${1:-}" = scenarios ]; then
   case " ${CASES:-dense sparse} " in *" sparse "*)
     run_scenarios sparse --sparse --host-kv-gb "${HOST_KV_GB:-92}" ;; esac
   python3 scripts/scenario_table.py "$OUT" --kv-cache-gb "${KV_GB-24}" --scenarios ${SCENARIOS:-r24x10k}
+  # The device tool returns at most 8 files: everything goes back as one archive, the table beside it.
+  tar czf /tmp/scenario_files.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/scenario_files.tgz "$OUT/" \
+    && tar xzf "$OUT/scenario_files.tgz" -C "$OUT" ./scenarios.md ./scenarios.json
   exit 0
 fi
 
