@@ -81,13 +81,14 @@ def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, chunks: torch.Ten
     for start, length, prefix, row in chunks.tolist():
         n = prefix + length
         pages = page_table[row, :(n + bs - 1) // bs].long()
-        visible = torch.arange(n)[None, :] <= prefix + torch.arange(length)[:, None]  # [length, n]
+        visible = (torch.arange(n, device=q.device)[None, :]
+                   <= prefix + torch.arange(length, device=q.device)[:, None])  # [length, n]
         for h in range(Hkv):
             slots = pages * Hkv + h
             keys = kv_cache[slots, 0].reshape(-1, D)[:n].float()
             vals = kv_cache[slots, 1].reshape(-1, D)[:n].float()
             qh = q[start:start + length, h * G:(h + 1) * G].float().transpose(0, 1)  # [G, length, D]
-            scores = (qh @ keys.T * scale).masked_fill(~visible.to(q.device), float("-inf"))
+            scores = (qh @ keys.T * scale).masked_fill(~visible, float("-inf"))
             o = torch.softmax(scores, dim=-1) @ vals  # [G, length, D]
             out[start:start + length, h * G:(h + 1) * G] = o.transpose(0, 1).to(q.dtype)
     return out
