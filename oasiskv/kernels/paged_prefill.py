@@ -182,11 +182,14 @@ if triton is not None:
 
 
 def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, table: PrefillTable, num_kv_heads: int,
-                         scale: float, rows: int = 128, block_n: int = 64, num_warps: int = 8,
+                         scale: float, rows: int = 128, block_n: int | None = None, num_warps: int = 8,
                          num_stages: int = 3, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's path (any device under TRITON_INTERPRET=1: the tests); same contract as
     `paged_prefill_ref`. rows: query rows a program holds (tokens x the group's heads, a power
-    of two >= 16); block_n: key positions per tile (a multiple of the block size, or a divisor)."""
+    of two >= 16); block_n: key positions per tile (a multiple of the block size, or a divisor;
+    None: 64, or 32 for a float32 cache, whose tiles take twice the shared memory)."""
+    if block_n is None:
+        block_n = 64 if kv_cache.element_size() <= 2 else 32
     T, Hq, D = q.shape
     Hkv = num_kv_heads
     G = Hq // Hkv
