@@ -1,11 +1,12 @@
 """Byte roofline of a decode step: the bytes it must move over the measured ceilings
-(docs/benchmarks.md, "How to read the columns")."""
+(docs/benchmarks.md, "How to read the columns"); FLOP roofline of a prefill."""
 from __future__ import annotations
 
 from oasiskv.models.config import ModelConfig
 
 HBM_BYTES_PER_S = 4.25e12  # device-to-device copy rate of the benchmark GPU (an H200)
 PCIE_BYTES_PER_S = 55.5e9  # pinned host -> GPU, one large copy
+BF16_FLOPS_PER_S = 989e12  # the H200's dense bf16 tensor-core peak (NVIDIA's datasheet)
 
 
 def weight_bytes_per_step(mc: ModelConfig, dtype_bytes: int) -> int:
@@ -20,3 +21,15 @@ def weight_bytes_per_step(mc: ModelConfig, dtype_bytes: int) -> int:
 def kv_bytes_per_step(mc: ModelConfig, dtype_bytes: int, context_tokens: int) -> int:
     """K and V of every cached token of every sequence in the batch, all layers."""
     return context_tokens * mc.kv_bytes_per_token(dtype_bytes)
+
+
+def prefill_flops(mc: ModelConfig, prompt_len: int) -> tuple[int, int]:
+    """(linear, attention) FLOPs of one prompt's prefill, 2 per multiply-add. Linear: every
+    projection of every token, and the output head for the last token only (the one sampled).
+    Attention: causal, so the query at position p scores and sums p + 1 keys (QK^T and PV)."""
+    h, i = mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    per_token = mc.num_layers * 2 * (h * (q + 2 * kv) + q * h + 3 * h * i)
+    linear = prompt_len * per_token + 2 * h * mc.vocab_size
+    attention = mc.num_layers * 4 * q * (prompt_len * (prompt_len + 1) // 2)
+    return linear, attention

@@ -15,7 +15,7 @@ from oasiskv.engine.sampler import on_device, sample_requests, to_host
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.sparse_decode import SparseDecodeMixin
-from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
+from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
@@ -124,12 +124,17 @@ class ModelRunner(SparseDecodeMixin):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
-        dummy_kv = [torch.empty(self.num_kv_heads, 2, self.block_size, self.head_dim,
-                                dtype=self.dtype, device=self.device)] * self.model_config.num_layers
-        meta = AttentionMetadata(
-            write_slots=torch.full((n, self.num_kv_heads), -1, dtype=torch.int32, device=self.device),
-            write_offsets=torch.zeros(n, dtype=torch.int32, device=self.device),
-            prefill_chunks=[PrefillChunk(0, n, 0, torch.empty(0, dtype=torch.long, device=self.device))])
+        # One chunk of n tokens from position 0, its K/V in pages 0.. of one pool that every layer
+        # shares (the prefill kernel reads them back; n tokens of KV, not a layer's worth each).
+        pages = list(range(math.ceil(n / self.block_size)))
+        pool = torch.zeros(len(pages) * self.num_kv_heads, 2, self.block_size, self.head_dim,
+                           dtype=self.dtype, device=self.device)
+        positions = np.arange(n, dtype=np.int64)
+        slots, offsets = self._write_locations([pages], positions, np.zeros(n, dtype=np.int64))
+        chunks = [PrefillChunk(0, n, 0, pages)]
+        meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, prefill_chunks=chunks,
+                                 prefill_table=prefill_table(chunks, self.device))
+        dummy_kv = [pool] * self.model_config.num_layers
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(n, device=self.device), dummy_kv, meta)
         self.model.compute_logits(hidden[-self.cfg.max_num_seqs:])
@@ -164,8 +169,8 @@ class ModelRunner(SparseDecodeMixin):
             ids.extend(seq.token_ids[c0:c0 + n])
             pos.extend(range(c0, c0 + n))
             owner.extend([i] * n)
-            used_pages = (c0 + self.block_size - 1) // self.block_size
-            chunks.append(PrefillChunk(start, n, c0, torch.tensor(seq.pages[:used_pages], device=self.device)))
+            used_pages = (c0 + n + self.block_size - 1) // self.block_size
+            chunks.append(PrefillChunk(start, n, c0, seq.pages[:used_pages]))
             if seq.params.prompt_logprobs is not None and c0 < len(seq.prompt_token_ids) - 1:
                 prompt_rows.append((seq, start, c0, n))
             start += n
@@ -173,7 +178,8 @@ class ModelRunner(SparseDecodeMixin):
                 logits_rows.append(start - 1)
         positions = np.array(pos, dtype=np.int64)
         slots, offsets = self._write_locations([s.pages for s in batch.seqs], positions, np.array(owner))
-        meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, prefill_chunks=chunks)
+        meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, prefill_chunks=chunks,
+                                 prefill_table=prefill_table(chunks, self.device))
         if self.sparse is not None:
             record = {}
             for seq, n, c in zip(batch.seqs, batch.num_tokens, chunks):

@@ -61,3 +61,34 @@ def paged_decode_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             o = torch.softmax(scores, dim=-1) @ vals  # [G, Q, D]
             out[b, :, h * G:(h + 1) * G] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, chunks: torch.Tensor, page_table: torch.Tensor,
+                      num_kv_heads: int, scale: float) -> torch.Tensor:
+    """Causal attention of prefill chunks over the paged cache, which already holds their own K/V.
+
+    q: [T, Hq, D]; chunks: [N, 4] int (query start, length, prefix_len, page-table row): rows
+    [start, start + length) of q are positions [prefix_len, prefix_len + length) of a sequence
+    whose pages, in position order, are page_table[row] (head h of a page at slot page * Hkv + h).
+    Query i of a chunk attends positions 0 .. prefix_len + i. Returns [T, Hq, D] in q's dtype
+    (rows outside every chunk are zero); math in float32.
+    """
+    T, Hq, D = q.shape
+    Hkv = num_kv_heads
+    G = Hq // Hkv
+    bs = kv_cache.shape[2]
+    out = torch.zeros_like(q)
+    for start, length, prefix, row in chunks.tolist():
+        n = prefix + length
+        pages = page_table[row, :(n + bs - 1) // bs].long()
+        visible = (torch.arange(n, device=q.device)[None, :]
+                   <= prefix + torch.arange(length, device=q.device)[:, None])  # [length, n]
+        for h in range(Hkv):
+            slots = pages * Hkv + h
+            keys = kv_cache[slots, 0].reshape(-1, D)[:n].float()
+            vals = kv_cache[slots, 1].reshape(-1, D)[:n].float()
+            qh = q[start:start + length, h * G:(h + 1) * G].float().transpose(0, 1)  # [G, length, D]
+            scores = (qh @ keys.T * scale).masked_fill(~visible, float("-inf"))
+            o = torch.softmax(scores, dim=-1) @ vals  # [G, length, D]
+            out[start:start + length, h * G:(h + 1) * G] = o.transpose(0, 1).to(q.dtype)
+    return out

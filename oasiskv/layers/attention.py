@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache: store new K/V, then prefill (SDPA) or decode (paged kernel).
+"""Attention over the paged KV cache: store new K/V, then the paged prefill or decode kernel.
 
 A step's `AttentionMetadata` is built once by the model runner and read by every layer.
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from oasiskv.kernels.paged_decode import paged_decode
+from oasiskv.kernels.paged_prefill import PrefillTable, paged_prefill
 
 
 @dataclass
@@ -19,7 +19,13 @@ class PrefillChunk:
     start: int
     length: int
     prefix_len: int
-    pages: torch.Tensor  # page ids holding positions [0, prefix_len), on the model's device
+    pages: list[int]  # page ids holding positions [0, prefix_len + length), the chunk's own included
+
+
+def prefill_table(chunks: list[PrefillChunk], device: torch.device) -> PrefillTable:
+    """The step's chunks as the prefill kernel reads them (one copy to the device per step)."""
+    return PrefillTable.build([c.start for c in chunks], [c.length for c in chunks],
+                              [c.prefix_len for c in chunks], [c.pages for c in chunks], device)
 
 
 @dataclass
@@ -27,6 +33,7 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [T, Hkv] slot each token's K/V goes to, -1 = not stored (draft)
     write_offsets: torch.Tensor  # [T] offset inside the block
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    prefill_table: PrefillTable | None = None  # the same chunks on the device: `prefill_table(chunks)`
     # decode: T = B * query_len tokens, sequence-major
     # [B, Hkv, max_blocks] shared by every layer, or [L, B, Hkv, max_blocks] when sparse
     # requests (whose heads hold different blocks in every layer) are in the batch
@@ -46,11 +53,12 @@ class AttentionMetadata:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float, layer: int) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] (post-RoPE, already stored in kv_cache by the qkv
-    epilogue, with the hooks' `summary_fold`) -> [T, Hq, D]."""
+    epilogue, with the hooks' `summary_fold`) -> [T, Hq, D]. A prefill reads every key and value,
+    the chunk's own too, from the cache."""
     if meta.hooks is not None:
         meta.hooks.before_attention(layer, q, k, meta)
     if meta.is_prefill:
-        out = _prefill(q, k, v, kv_cache, meta.prefill_chunks, scale)
+        out = paged_prefill(q, kv_cache, meta.prefill_table, k.shape[1], scale)
     else:
         T, Hq, D = q.shape
         B, Q = T // meta.query_len, meta.query_len
@@ -64,28 +72,3 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         meta.hooks.after_attention(layer, q, k, meta)
     return out
 
-
-def _prefill(q, k, v, kv_cache, chunks: list[PrefillChunk], scale: float) -> torch.Tensor:
-    out = torch.empty_like(q)
-    Hkv, bs, D = k.shape[1], kv_cache.shape[2], k.shape[2]
-    pages_view = kv_cache.view(-1, Hkv, 2, bs, D)
-    for c in chunks:
-        qc = q[c.start:c.start + c.length].transpose(0, 1)[None]  # [1, Hq, L, D]
-        kc = k[c.start:c.start + c.length].transpose(0, 1)
-        vc = v[c.start:c.start + c.length].transpose(0, 1)
-        if c.prefix_len == 0:
-            o = F.scaled_dot_product_attention(qc, kc[None], vc[None], is_causal=True,
-                                               scale=scale, enable_gqa=True)
-        else:
-            # Chunked prefill: earlier chunks' K/V come back from the paged cache.
-            prev = pages_view[c.pages]  # [n, Hkv, 2, bs, D]
-            pk = prev[:, :, 0].transpose(0, 1).reshape(Hkv, -1, D)[:, :c.prefix_len]
-            pv = prev[:, :, 1].transpose(0, 1).reshape(Hkv, -1, D)[:, :c.prefix_len]
-            keys = torch.cat([pk.to(kc.dtype), kc], dim=1)[None]
-            vals = torch.cat([pv.to(vc.dtype), vc], dim=1)[None]
-            i = torch.arange(c.length, device=q.device)[:, None]
-            j = torch.arange(c.prefix_len + c.length, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qc, keys, vals, attn_mask=j <= c.prefix_len + i,
-                                               scale=scale, enable_gqa=True)
-        out[c.start:c.start + c.length] = o[0].transpose(0, 1)
-    return out
