@@ -3,7 +3,8 @@
 A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens`) or a
 decode step (one new token for every running sequence). Prefill goes first so new
 requests join the running batch quickly; long prompts are cut into chunks so a 32K
-prompt never needs 32K tokens of activations at once. When pages run out during
+prompt never needs 32K tokens of activations at once. A new request's leading blocks found in
+the prefix cache are shared and its prefill starts after them. When pages run out during
 decode the newest running sequence is preempted and later recomputed.
 """
 from __future__ import annotations
@@ -58,13 +59,16 @@ class Scheduler:
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncached, budget)
-            if not bm.can_grow(seq, n):
+            hits = bm.cached_prefix(seq)  # its leading blocks already in the cache: shared, not prefilled
+            cached = len(hits) * bm.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not bm.can_admit(seq, hits, cached + n):
                 break
             if self.sparse is not None and not self.sparse.reserve(seq, self.max_model_len):
                 break  # its full KV does not fit the host pool yet: it waits
             self.waiting.popleft()
-            bm.grow(seq, n)
+            bm.admit(seq, hits)
+            bm.grow(seq, cached + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq), sizes.append(n)
