@@ -105,6 +105,18 @@ class BlockManager:
             pages.append(page)
         return pages
 
+    def names_computed(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Names of the full blocks a step computes when it takes `seq`'s next `num_tokens` tokens."""
+        if not self.enable_caching:
+            return []
+        start, end = seq.num_cached_tokens // self.block_size, (seq.num_cached_tokens + num_tokens) // self.block_size
+        return extend_block_names(seq, self.salt, self.block_size, end)[start:end]
+
+    def next_block_name(self, seq: Sequence, hits: list[int]) -> bytes | None:
+        """The name of `seq`'s first block after its cached prefix, if that block is full."""
+        names = seq.block_names
+        return names[len(hits)] if self.enable_caching and len(hits) < len(names) else None
+
     def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
         """Room for `seq`'s first `num_tokens` tokens when it shares the pages `hits`: new pages,
         plus the hits nobody holds now (they leave the free list)."""
