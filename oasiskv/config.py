@@ -34,6 +34,7 @@ class EngineConfig:
     summary_dtype: str = "auto"
     fetch_budget: str | float = "auto"  # transfer budget per step: auto | off | MB
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
+    enable_prefix_caching: bool = True  # share cached leading blocks between requests (vLLM v1's default)
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
 
     def __post_init__(self):

@@ -44,9 +44,9 @@ def running(scheduler, bm, rid, tokens):
     return seq
 
 
-def short_pool(convertible):
+def short_pool(convertible, num_pages=13):
     """Two decoding requests that both need a new page this step, and one page free."""
-    bm = BlockManager(num_pages=13, block_size=4)
+    bm = BlockManager(num_pages=num_pages, block_size=4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, sparse=FakeSparse(convertible))
     long_, short = running(sched, bm, "short", 16), running(sched, bm, "long", 32)  # 4 + 8 pages
     long_, short = short, long_
@@ -72,8 +72,7 @@ def test_without_a_convertible_request_it_preempts_as_before():
 
 
 def test_no_conversion_while_every_dense_request_has_a_free_page():
-    sched, bm, long_, short = short_pool({"long", "short"})
-    bm.give_back([100])  # two free pages, two dense requests
+    sched, bm, long_, short = short_pool({"long", "short"}, num_pages=14)  # two free pages, two dense requests
     sched._schedule_decode()
     assert not long_.convert_early and sched.num_preemptions == 0
 

@@ -69,8 +69,10 @@ def test_completion_equals_engine(base, llm, prompt):
     assert got["object"] == "text_completion"
     choice = got["choices"][0]
     assert choice["text"] == want.text and choice["finish_reason"] == want.finish_reason
+    cached = got["usage"].pop("prompt_tokens_details")["cached_tokens"]
     assert got["usage"] == {"prompt_tokens": len(want.prompt_token_ids), "completion_tokens": 5,
                             "total_tokens": len(want.prompt_token_ids) + 5}
+    assert 0 <= cached < len(want.prompt_token_ids)
 
     events = stream_events(base, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
@@ -79,6 +81,8 @@ def test_completion_equals_engine(base, llm, prompt):
     assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
     assert events[-2]["usage"]["completion_tokens"] == 5
+    # The same prompt again: its full blocks come from the prefix cache (16 tokens each).
+    assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(want.prompt_token_ids) - 1) // 16 * 16
 
 
 def test_chat_equals_engine(base, llm):
@@ -97,6 +101,19 @@ def test_chat_equals_engine(base, llm):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want.text
     assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(base):
+    """The second time, the prompt's full blocks (2 of 16 tokens) come from the prefix cache: usage
+    and /metrics say so, and the answer is the same."""
+    body = {"prompt": [(11 * j) % 900 + 30 for j in range(40)], "max_tokens": 3, "temperature": 0}
+    hits = lambda: metrics(base).get("oasiskv:prefix_cache_hits_total", 0.0)  # noqa: E731
+    before = hits()
+    first, second = call(base, "/v1/completions", body)[1], call(base, "/v1/completions", body)[1]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    assert second["choices"] == first["choices"]
+    assert hits() - before == 32
 
 
 def test_stop_string_streamed_equals_whole(base):

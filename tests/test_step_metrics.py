@@ -10,12 +10,13 @@ from oasiskv.entrypoints.metrics import ServerMetrics
 from oasiskv.sparse.manager import STEP_TOTALS
 
 
-def fake_engine(preemptions: int, totals: dict, conversions: int):
+def fake_engine(preemptions: int, totals: dict, conversions: int, prefix=(0, 0, 0)):
+    """prefix: (tokens looked up in the prefix cache, found there, prefilled)."""
     host = SimpleNamespace(num_items=10, item_bytes=8, bytes_used=16)
     sparse = SimpleNamespace(totals=totals, num_conversions=conversions, host=host)
     return SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=preemptions),
-                           block_manager=SimpleNamespace(num_pages=4, num_free=4),
-                           runner=SimpleNamespace(sparse=sparse))
+                           block_manager=SimpleNamespace(num_pages=4, num_free=4, queries=prefix[0], hits=prefix[1]),
+                           runner=SimpleNamespace(sparse=sparse), step_stats={"prefill_tokens": prefix[2]})
 
 
 def scraped(metrics: ServerMetrics) -> dict[str, float]:
@@ -38,3 +39,13 @@ def test_step_counters_follow_the_engine_totals():
     assert v["oasiskv:sparse_step_host_to_gpu_bytes_total"] == 6144
     assert v["oasiskv:sparse_step_budget_bytes_total"] == 8192
     assert v["oasiskv:sparse_step_hit_blocks_total"] == 5 and v["oasiskv:sparse_step_predicted_blocks_total"] == 9
+
+
+def test_prefix_cache_counters_follow_the_block_manager():
+    m = ServerMetrics()
+    totals = dict.fromkeys(STEP_TOTALS, 0)
+    m.observe_engine(fake_engine(0, totals, 0, (100, 0, 100)))
+    m.observe_engine(fake_engine(0, totals, 0, (300, 160, 140)))
+    v = scraped(m)
+    assert v["oasiskv:prefix_cache_queries_total"] == 300 and v["oasiskv:prefix_cache_hits_total"] == 160
+    assert v["oasiskv:prefill_computed_tokens_total"] == 140

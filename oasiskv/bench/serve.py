@@ -57,6 +57,7 @@ class RequestResult:
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage)
     error: str = ""
 
 
@@ -93,6 +94,7 @@ async def send_request(session, url: str, model: str, prompt: list[int], max_tok
                     tokens, last = tokens + 1, now
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+                    result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     except Exception as e:  # a dropped connection counts as a failed request, not a crash
         result.error = repr(e)
     result.latency = time.perf_counter() - start
@@ -201,6 +203,11 @@ def summarize(args, results: list[RequestResult], duration: float, before: dict,
                                    if step["predicted_blocks"] else None)
     out["sparse_conversions"] = int(delta("oasiskv:sparse_conversions_total"))
     out["num_preemptions"] = int(delta("oasiskv:num_preemptions_total"))
+    queries = delta("oasiskv:prefix_cache_queries_total")
+    out["prefix_cache_hit_rate"] = delta("oasiskv:prefix_cache_hits_total") / queries if queries else None
+    out["prefill_computed_tokens"] = int(delta("oasiskv:prefill_computed_tokens_total"))
+    out["total_cached_tokens"] = sum(r.cached_tokens for r in ok)
+    out["cached_tokens"] = [r.cached_tokens for r in results]
     out["input_lens"] = [r.prompt_len for r in results]
     out["output_lens"] = [r.output_tokens for r in results]
     out["ttfts"] = [r.ttft for r in results]
@@ -244,6 +251,10 @@ def print_result(res: dict) -> None:
             line("Transfer budget used (%):", 100 * res["sparse_step_budget_use"], ".1f")
         line("Hit rate, all steps (%):", 100 * (res["sparse_step_hit_rate"] or 0.0), ".1f")
         line("Conversions to sparse:", res["sparse_conversions"])
+    if res.get("prefix_cache_hit_rate") is not None:
+        line("Prefix cache hit rate (%):", 100 * res["prefix_cache_hit_rate"], ".1f")
+        line("Prompt tokens from the cache:", res["total_cached_tokens"])
+        line("Prefill tokens computed:", res["prefill_computed_tokens"])
     line("Preemptions:", res.get("num_preemptions", 0))
     print("=" * 50)
 

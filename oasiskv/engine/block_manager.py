@@ -1,22 +1,48 @@
-"""GPU page pool: hands out pages (each holds `block_size` tokens of every KV head of every layer)."""
+"""GPU page pool: hands out pages (each holds `block_size` tokens of every KV head of every layer),
+with automatic prefix caching (docs/prefix_caching.md).
+
+Every page has a reference count: the requests whose page table (or working set) holds it. A
+full block whose K/V is computed is *named* (`block_hash.block_name`: a chained hash of its
+tokens), so a later request whose leading blocks have the same names shares those pages instead
+of prefilling them. A page whose count drops to zero joins `free_pages`, an LRU list: it keeps
+its K/V and its name until it is handed out again, and only then is its name dropped. A request
+only ever writes into pages it holds alone and that have no name: hits cover whole blocks before
+the first token it computes, and the caller asks `take_own` before reusing a page of its own.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Iterable
 
+from oasiskv.engine.block_hash import extend_block_names
 from oasiskv.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, block_size: int):
+    def __init__(self, num_pages: int, block_size: int, enable_caching: bool = False, salt: bytes = b""):
         if num_pages < 1:
             raise ValueError(f"the KV cache has room for no page of {block_size} tokens; give it more memory")
         self.num_pages = num_pages
         self.block_size = block_size
-        self.free_pages: deque[int] = deque(range(num_pages))
+        self.enable_caching = enable_caching
+        self.salt = salt  # block_hash.engine_salt of the engine's model and KV dtype
+        self.ref_counts = [0] * num_pages
+        self.free_pages: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # LRU first
+        self.page_name: list[bytes | None] = [None] * num_pages
+        self.named: dict[bytes, int] = {}  # block name -> the page holding that block's K/V
+        # vLLM's prefix_cache_queries / prefix_cache_hits: prompt tokens looked up at admission
+        # and those found cached.
+        self.queries = 0
+        self.hits = 0
 
     @property
     def num_free(self) -> int:
+        """Pages no request holds (cached ones included: they are handed out when needed)."""
         return len(self.free_pages)
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(self.page_name[p] is not None for p in self.free_pages)
 
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra pages `seq` needs so that its first `num_tokens` tokens have a place."""
@@ -30,18 +56,121 @@ class BlockManager:
         need = self.pages_needed(seq, num_tokens)
         if need > self.num_free:
             raise RuntimeError(f"out of KV pages: need {need}, {self.num_free} free")
-        seq.pages.extend(self.free_pages.popleft() for _ in range(need))
+        seq.pages.extend(self._allocate() for _ in range(need))
 
     def take(self, n: int) -> list[int] | None:
         """n pages outside any page table (a sparse working set), or None if too few are free."""
         if n > self.num_free:
             return None
-        return [self.free_pages.popleft() for _ in range(n)]
+        return [self._allocate() for _ in range(n)]
 
-    def give_back(self, pages: list[int]) -> None:
-        self.free_pages.extend(pages)
+    def _allocate(self) -> int:
+        page, _ = self.free_pages.popitem(last=False)  # the least recently freed
+        name = self.page_name[page]
+        if name is not None:  # evicted from the cache: its K/V is about to be overwritten
+            del self.named[name]
+            self.page_name[page] = None
+        self.ref_counts[page] = 1
+        return page
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Drop one reference to each page; a page nobody holds goes to the end of the LRU list."""
+        for p in pages:
+            self.ref_counts[p] -= 1
+            if self.ref_counts[p] < 0:
+                raise RuntimeError(f"page {p} released more often than it was held")
+            if self.ref_counts[p] == 0:
+                self.free_pages[p] = None
 
     def free(self, seq: Sequence) -> None:
-        self.free_pages.extend(seq.pages)
+        # Last block first, so the LRU list evicts a request's tail before the prefix it shares.
+        self.release(reversed(seq.pages))
         seq.pages = []
         seq.num_cached_tokens = 0
+        seq.num_named_blocks = 0
+
+    # ---- prefix caching -----------------------------------------------------------------
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pages holding `seq`'s leading full blocks, as far as they are cached. At least its last
+        token is left out, so the step that computes it gives logits to sample from. A request
+        that asks for prompt logprobs gets none (their logits come from computing the prompt)."""
+        if not self.enable_caching or seq.params.prompt_logprobs is not None:
+            return []
+        names = extend_block_names(seq, self.salt, self.block_size, (seq.num_tokens - 1) // self.block_size)
+        pages = []
+        for name in names:
+            page = self.named.get(name)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def names_computed(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Names of the full blocks a step computes when it takes `seq`'s next `num_tokens` tokens."""
+        if not self.enable_caching:
+            return []
+        start, end = seq.num_cached_tokens // self.block_size, (seq.num_cached_tokens + num_tokens) // self.block_size
+        return extend_block_names(seq, self.salt, self.block_size, end)[start:end]
+
+    def next_block_name(self, seq: Sequence, hits: list[int]) -> bytes | None:
+        """The name of `seq`'s first block after its cached prefix, if that block is full."""
+        names = seq.block_names
+        return names[len(hits)] if self.enable_caching and len(hits) < len(names) else None
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+        """Room for `seq`'s first `num_tokens` tokens when it shares the pages `hits`: new pages,
+        plus the hits nobody holds now (they leave the free list)."""
+        want = (num_tokens + self.block_size - 1) // self.block_size
+        idle = sum(self.ref_counts[p] == 0 for p in hits)
+        return want - len(hits) + idle <= self.num_free
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """`seq` (holding no page) shares `hits`; its prefill starts after them."""
+        assert not seq.pages, "a request is admitted with an empty page table"
+        for p in hits:
+            if self.ref_counts[p] == 0:
+                del self.free_pages[p]
+            self.ref_counts[p] += 1
+        seq.pages = list(hits)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_named_blocks = len(hits)
+        if self.enable_caching and seq.params.prompt_logprobs is None:
+            self.queries += seq.num_tokens
+            self.hits += seq.num_cached_tokens
+        if seq.prefix_hit_tokens is None:
+            seq.prefix_hit_tokens = seq.num_cached_tokens
+
+    def name_full_blocks(self, seq: Sequence) -> None:
+        """After a step: name `seq`'s blocks that are now full and computed, so later requests find
+        them. A block whose name another page already holds keeps no name (one page per name)."""
+        if not self.enable_caching:
+            return
+        full = seq.num_cached_tokens // self.block_size
+        if full <= seq.num_named_blocks:
+            return
+        names = extend_block_names(seq, self.salt, self.block_size, full)
+        for b in range(seq.num_named_blocks, full):
+            page = seq.pages[b]
+            if names[b] not in self.named and self.page_name[page] is None:
+                self.named[names[b]] = page
+                self.page_name[page] = names[b]
+        seq.num_named_blocks = full
+
+    def take_own(self, seq: Sequence, n: int) -> list[int] | None:
+        """n pages of `seq`'s page table that it holds alone (its tail first), their names dropped
+        so that they can be overwritten (a conversion's working set, when the pool is full); None
+        unless it holds more than n alone, so that the conversion still frees a page."""
+        own = [p for p in reversed(seq.pages) if self.ref_counts[p] == 1]
+        if len(own) <= n:
+            return None
+        for p in own[:n]:
+            name = self.page_name[p]
+            if name is not None:
+                del self.named[name]
+                self.page_name[p] = None
+        return own[:n]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every name (vLLM's reset_prefix_cache): later requests prefill from scratch."""
+        self.named.clear()
+        self.page_name = [None] * self.num_pages

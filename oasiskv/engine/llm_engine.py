@@ -10,6 +10,7 @@ import torch
 
 from oasiskv.bench.roofline import kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.config import EngineConfig
+from oasiskv.engine.block_hash import engine_salt
 from oasiskv.engine.block_manager import BlockManager
 from oasiskv.engine.model_runner import ModelRunner
 from oasiskv.engine.sampler import on_device, read_host
@@ -63,6 +64,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float | None = None  # the sum of the generated tokens' logprobs
     error: str | None = None  # the request's own work failed (finish_reason "error"): why
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (vLLM's name)
 
 
 class LLMEngine:
@@ -70,11 +72,16 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(self.runner.source)
-        self.block_manager = BlockManager(self.runner.num_pages, config.block_size)
+        mc = self.runner.model_config
+        # What besides the tokens decides a block's K/V: the root of every block name.
+        salt = engine_salt(mc.name, config.model, config.load_format, config.rope_scaling,
+                           config.seed if config.load_format == "dummy" else None, str(self.runner.dtype),
+                           config.block_size)
+        self.block_manager = BlockManager(self.runner.num_pages, config.block_size, config.enable_prefix_caching,
+                                          salt)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.sparse, self.max_model_len)
-        mc = self.runner.model_config
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -241,17 +248,17 @@ class LLMEngine:
             if seq.is_finished or seq.sparse is not None or seq.in_prefill:
                 continue
             need = runner.sparse.cfg.working_set_blocks
-            pages = self.block_manager.take(need)
-            dense_pages = seq.pages
-            if pages is None and len(dense_pages) > need:
-                # The pool is full: the working set takes pages of the request's own (conversion
-                # reads each layer's blocks before it writes that layer's working set).
-                pages, dense_pages = dense_pages[-need:], dense_pages[:-need]
+            bm = self.block_manager
+            # When the pool is full the working set takes pages the request holds alone
+            # (conversion reads each layer's blocks before it writes that layer's working set).
+            pages = bm.take(need) or bm.take_own(seq, need)
             if pages is None:
                 continue  # no room for the working set now; it stays dense and tries again
             runner.sparse.convert(seq, last_q, pages)
+            kept = set(pages)
+            dense_pages = [p for p in seq.pages if p not in kept]
             seq.pages, seq.convert_early = pages, False
-            self.block_manager.give_back(dense_pages)
+            bm.release(reversed(dense_pages))  # shared and named pages stay for other requests
         if runner.sparse.num_conversions > done:
             log.info("%d requests converted to sparse in %.2f s", runner.sparse.num_conversions - done,
                      time.perf_counter() - t0)
@@ -276,6 +283,8 @@ class LLMEngine:
             if seq.is_finished:  # finished (or aborted) while this step was in flight
                 continue
             seq.num_cached_tokens += n
+            if seq.sparse is None:  # a sparse request's pages are its working set, not its blocks
+                self.block_manager.name_full_blocks(seq)
             if tok is None:
                 continue
             if seq.first_token_time is None:
@@ -358,4 +367,5 @@ class LLMEngine:
                              logprobs=list(seq.logprobs) if asked else None,
                              # complete once the prompt is done, never changed after: shared, not copied
                              prompt_logprobs=(seq.prompt_logprobs or [None]) if p.prompt_logprobs is not None else None,
-                             cumulative_logprob=seq.cumulative_logprob if asked else None, error=seq.error)
+                             cumulative_logprob=seq.cumulative_logprob if asked else None, error=seq.error,
+                             num_cached_tokens=seq.prefix_hit_tokens)

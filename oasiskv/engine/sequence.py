@@ -44,6 +44,11 @@ class Sequence:
     min_tokens_stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens exist
     token_counts: object = None  # TokenCounts, for penalties
     error: str | None = None  # its own work (sampling, stop check, output) failed: why
+    # Prefix cache (oasiskv.engine.block_manager): names of its full blocks so far, how many of its
+    # pages the cache knows by name, and its prompt tokens found cached when it was first admitted.
+    block_names: list[bytes] = field(default_factory=list)
+    num_named_blocks: int = 0
+    prefix_hit_tokens: int | None = None
     _page_cache: tuple | None = field(default=None, repr=False)  # (the list, its int64 array)
 
     @property
@@ -65,6 +70,13 @@ class Sequence:
                 arr = np.concatenate([arr, np.array(self.pages[len(arr):], dtype=np.int64)])
         self._page_cache = (self.pages, arr)
         return arr
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without copying the whole context."""
+        p = self.prompt_token_ids
+        if end <= len(p):
+            return p[start:end]
+        return p[start:] + self.output_token_ids[max(0, start - len(p)):end - len(p)]
 
     @property
     def token_ids(self) -> list[int]:

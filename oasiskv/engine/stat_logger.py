@@ -31,6 +31,8 @@ class StatLogger:
                  f"Running: {len(sched.running)} reqs ({sparse_running} sparse)",
                  f"Waiting: {len(sched.waiting)} reqs",
                  f"GPU KV cache usage: {100 * (bm.num_pages - bm.num_free) / bm.num_pages:.1f}%"]
+        if d["prefix_queries"]:
+            parts.append(f"Prefix cache hit rate: {100 * d['prefix_hits'] / d['prefix_queries']:.1f}%")
         if d["decode_steps"]:
             parts.append(f"decode step: {1e3 * d['decode_time'] / d['decode_steps']:.2f} ms "
                          f"x {d['decode_steps']:.0f} ({100 * d['overlapped_steps'] / d['decode_steps']:.0f}% overlapped)")
@@ -53,6 +55,8 @@ class StatLogger:
     def _totals(engine) -> dict[str, float]:
         totals = dict(engine.step_stats)
         totals["preemptions"] = getattr(engine.scheduler, "num_preemptions", 0)
+        totals["prefix_queries"] = engine.block_manager.queries
+        totals["prefix_hits"] = engine.block_manager.hits
         sparse = engine.runner.sparse
         if sparse is not None:
             totals.update(sparse.totals)

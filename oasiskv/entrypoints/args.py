@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the K/V of cached leading blocks shared with earlier requests (on by default)")
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="launch decode step t+1 before reading step t's tokens (auto: on CUDA)")
     sp = p.add_argument_group("sparse decode (KV beyond GPU memory)")
@@ -76,4 +78,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         drafter=args.drafter, host_kv_gb=args.host_kv_gb, summary_dtype=args.summary_dtype,
         fetch_budget=getattr(args, "fetch_budget", "auto"),
         sparse_pipeline=args.sparse_pipeline,
-        async_scheduling=args.async_scheduling)
+        enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling)

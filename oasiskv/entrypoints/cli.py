@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=_serve)
 
     from oasiskv.bench.decode import add_decode_args, run_decode_bench
+    from oasiskv.bench.prefix import add_prefix_args, run_prefix_bench
     from oasiskv.bench.serve import add_bench_serve_args, run_bench_serve
     from oasiskv.bench.throughput import add_throughput_args, run_throughput
     from oasiskv.eval.ablation import add_ablation_args, run_ablation
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
              add_decode_args, run_decode_bench)
     _command(bsub, "serve", "online serving load against an OpenAI server (vLLM's bench serve)",
              add_bench_serve_args, run_bench_serve, engine=False)
+    _command(bsub, "prefix", "prefix caching: a shared document and multi-turn chats, cache off vs on",
+             add_prefix_args, run_prefix_bench)
 
     e = sub.add_parser("eval", help="accuracy evaluations on a real model")
     esub = e.add_subparsers(dest="eval", required=True)

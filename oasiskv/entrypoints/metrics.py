@@ -41,6 +41,11 @@ class ServerMetrics:
         self.host_usage = add(Gauge, "host_pool_usage_perc", "Fraction of the host KV pool in use.")
         self.prompt_tokens = add(Counter, "prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = add(Counter, "generation_tokens", "Generated tokens.")
+        self.prefix_queries = add(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                  "cache at admission (a preempted request's again when it is readmitted).")
+        self.prefix_hits = add(Counter, "prefix_cache_hits", "Of those, tokens found cached (not prefilled).")
+        self.prefill_computed = add(Counter, "prefill_computed_tokens", "Tokens the prefill steps computed "
+                                    "(prompt tokens not found cached, and recomputed ones after preemption).")
         self.preemptions = add(Counter, "num_preemptions", "Requests preempted (KV dropped, recomputed "
                                "later) since the server started.")
         self._success = Counter("oasiskv:request_success", "Finished requests, by finish reason (stop, "
@@ -118,6 +123,9 @@ class ServerMetrics:
         self.gpu_usage.set(used / bm.num_pages)
         self.kv_usage.set(used / bm.num_pages)
         self._advance(self.preemptions, "preemptions", getattr(sched, "num_preemptions", 0))
+        self._advance(self.prefix_queries, "prefix_queries", bm.queries)
+        self._advance(self.prefix_hits, "prefix_hits", bm.hits)
+        self._advance(self.prefill_computed, "prefill_computed", engine.step_stats["prefill_tokens"])
         sparse = engine.runner.sparse
         if sparse is not None:
             for key, counter in self.step_counters.items():

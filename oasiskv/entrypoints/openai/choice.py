@@ -44,6 +44,7 @@ class Choice:
         self.logprobs: list[dict[int, float]] | None = [] if getattr(params, "logprobs", None) is not None else None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.finish_reason: str | None = None
+        self.num_cached_tokens = 0  # its prompt tokens found in the prefix cache
         self.error: str | None = None
         self.error_status = 500  # 503 when the engine or the server stopped
         self._sent = 0  # characters of text already in an update
@@ -92,6 +93,7 @@ class Choice:
     def _take(self, out) -> ChoiceUpdate:
         if self.prompt_logprobs is None:
             self.prompt_logprobs = getattr(out, "prompt_logprobs", None)
+        self.num_cached_tokens = getattr(out, "num_cached_tokens", None) or 0
         first_new = len(self.token_ids)
         new_ids = out.token_ids[self._engine_tokens:]
         engine_logprobs = getattr(out, "logprobs", None)

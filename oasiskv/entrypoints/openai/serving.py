@@ -24,6 +24,13 @@ ENGINE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 SEED_MOD = 2**63
 
 
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """The response's token counts; `cached_tokens`: prompt tokens found in the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from oasiskv.entrypoints.openai.choice import Choice
 from oasiskv.entrypoints.openai.protocol import APIError, ChatCompletionRequest, error_body
-from oasiskv.entrypoints.openai.serving import EventStream, OpenAIServing, sse
+from oasiskv.entrypoints.openai.serving import EventStream, OpenAIServing, sse, usage
 
 log = logging.getLogger("oasiskv.server")
 
@@ -51,8 +51,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
              "logprobs": chat_logprobs(serving, c.token_ids, c.logprobs, top) if req.logprobs else None,
              "finish_reason": c.finish_reason} for c in choices]
     completion = sum(len(c.token_ids) for c in choices)
-    return {**head, "choices": body, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                                                "total_tokens": len(ids) + completion}}
+    return {**head, "choices": body, "usage": usage(len(ids), completion, choices[0].num_cached_tokens)}
 
 
 async def _events(serving: OpenAIServing, req: ChatCompletionRequest, head: dict, choices: list[Choice],
@@ -73,8 +72,7 @@ async def _events(serving: OpenAIServing, req: ChatCompletionRequest, head: dict
         else:
             if req.include_usage:
                 n = sum(len(c.token_ids) for c in choices)
-                yield sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                                           "total_tokens": prompt_tokens + n}})
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, n, choices[0].num_cached_tokens)})
     except Exception:  # a bug while formatting fails this stream only, and still ends it cleanly
         log.exception("stream %s failed", head["id"])
         yield sse(error_body("internal error", "server_error"))

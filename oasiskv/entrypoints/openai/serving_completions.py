@@ -15,7 +15,7 @@ from fastapi import Request
 
 from oasiskv.entrypoints.openai.choice import Choice
 from oasiskv.entrypoints.openai.protocol import MAX_CHOICES, APIError, CompletionRequest, error_body
-from oasiskv.entrypoints.openai.serving import EventStream, OpenAIServing, sse
+from oasiskv.entrypoints.openai.serving import EventStream, OpenAIServing, sse, usage
 
 log = logging.getLogger("oasiskv.server")
 
@@ -86,8 +86,12 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     body = [await _choice_body(serving, req, index, prompt_ids[i], prompts[i], c) for index, i, c in kept]
     completion = 0 if req.max_tokens == 0 else sum(len(c.token_ids) for _, _, c in kept)
     prompt_tokens = sum(len(ids) for ids in prompt_ids)
-    return {**head, "choices": body, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                                "total_tokens": prompt_tokens + completion}}
+    return {**head, "choices": body, "usage": usage(prompt_tokens, completion, _cached(choices, best_of))}
+
+
+def _cached(choices: list[Choice], per_prompt: int) -> int:
+    """Prompt tokens found in the prefix cache, once per prompt (its first choice's)."""
+    return sum(c.num_cached_tokens for c in choices[::per_prompt])
 
 
 async def _choice_body(serving: OpenAIServing, req: CompletionRequest, index: int, prompt_ids: list[int],
@@ -125,8 +129,7 @@ async def _events(serving: OpenAIServing, req: CompletionRequest, head: dict, ch
             if req.include_usage:
                 p = sum(len(ids) for ids in prompt_ids)
                 n = sum(len(c.token_ids) for c in choices)
-                yield sse({**head, "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": n,
-                                                           "total_tokens": p + n}})
+                yield sse({**head, "choices": [], "usage": usage(p, n, _cached(choices, req.n))})
     except Exception:  # a bug while formatting fails this stream only, and still ends it cleanly
         log.exception("stream %s failed", head["id"])
         yield sse(error_body("internal error", "server_error"))
