@@ -156,6 +156,10 @@ class BlockManager:
                 self.page_name[page] = names[b]
         seq.num_named_blocks = full
 
+    def num_shared(self, seq: Sequence) -> int:
+        """Pages of `seq` that other requests hold too: releasing them frees nothing."""
+        return sum(self.ref_counts[p] > 1 for p in seq.pages)
+
     def take_own(self, seq: Sequence, n: int) -> list[int] | None:
         """n pages of `seq`'s page table that it holds alone (its tail first), their names dropped
         so that they can be overwritten (a conversion's working set, when the pool is full); None

@@ -120,7 +120,8 @@ class Scheduler:
             return False
         dense = [s for s in pending if s.sparse is None]
         early = [s for s in dense if s.convert_early]
-        free = self.block_manager.num_free + sum(self.sparse.pages_freed(s) for s in early)
+        bm = self.block_manager
+        free = bm.num_free + sum(max(0, self.sparse.pages_freed(s) - bm.num_shared(s)) for s in early)
         if free < len(dense):  # every one that can goes now: one conversion step, not many mixed ones
             for s in dense:
                 if not s.convert_early and self.sparse.can_convert(s):
