@@ -65,10 +65,16 @@ class RequestOutput:
     error: str | None = None  # the request's own work failed (finish_reason "error"): why
 
 
+def _parallel_runner(config: EngineConfig) -> ModelRunner:
+    from oasiskv.distributed.executor import DriverRunner  # size 1 never imports it
+
+    return DriverRunner(config)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config) if config.tensor_parallel_size == 1 else _parallel_runner(config)
         self.tokenizer = load_tokenizer(self.runner.source)
         self.block_manager = BlockManager(self.runner.num_pages, config.block_size)
         self.max_model_len = self.runner.max_model_len
@@ -249,7 +255,7 @@ class LLMEngine:
                 pages, dense_pages = dense_pages[-need:], dense_pages[:-need]
             if pages is None:
                 continue  # no room for the working set now; it stays dense and tries again
-            runner.sparse.convert(seq, last_q, pages)
+            runner.convert_to_sparse(seq, last_q, pages)
             seq.pages, seq.convert_early = pages, False
             self.block_manager.give_back(dense_pages)
         if runner.sparse.num_conversions > done:
