@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from oasiskv.config import EngineConfig
-from oasiskv.distributed.group import RankFailure, free_port, init_group
+from oasiskv.distributed.group import START_TIMEOUT_S, RankFailure, free_port, init_group
 from oasiskv.distributed.step_input import StepInputBuilder
 from oasiskv.distributed.worker import ParallelModelRunner, rank_device, worker_main
 from oasiskv.engine.scheduler import ScheduledBatch
@@ -113,7 +113,7 @@ class DriverRunner(ParallelModelRunner):
         try:
             group = init_group(0, cfg.tensor_parallel_size, port, device, cfg.distributed_timeout_s)
             super().__init__(cfg, group)
-            self.ranks.wait_ready(cfg.distributed_timeout_s)
+            self.ranks.wait_ready(max(START_TIMEOUT_S, cfg.distributed_timeout_s))
         except RankFailure as e:
             self.shutdown()
             raise self.ranks.failure(str(e)) from e

@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 
+START_TIMEOUT_S = 600.0  # ranks import torch and load their shard before the first collective
+
+
 class RankFailure(RuntimeError):
     """A collective between the tensor-parallel ranks failed or timed out."""
 
@@ -47,10 +50,12 @@ class ParallelGroup:
         return torch.cat(parts, dim=-1)
 
     def min_int(self, value: int) -> int:
-        """The smallest of every rank's `value` (a KV pool size all ranks can hold)."""
+        """The smallest of every rank's `value` (a KV pool size all ranks can hold); called
+        while the ranks load, so it waits up to the start-up timeout."""
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
+        opts.timeout = timedelta(seconds=max(START_TIMEOUT_S, self.timeout.total_seconds()))
         self._wait("min_int", self.cpu_group.allreduce([t], opts))
         return int(t.item())
 
@@ -83,7 +88,8 @@ class ParallelGroup:
 def init_group(rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> ParallelGroup:
     """Joins the ranks through a TCP store on 127.0.0.1:port that rank 0 hosts (one host)."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+    start = timedelta(seconds=max(START_TIMEOUT_S, timeout_s))
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=start)
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()

@@ -1,0 +1,104 @@
+"""Tensor parallelism on CPU (Gloo, one process per rank): the same greedy tokens as one rank.
+
+Each engine here starts its ranks once per module. The default model (SmolLM2-135M: 9 query
+heads, 3 KV heads) runs at size 3, dense and sparse; a reduced Qwen3-shaped model with random
+weights (8 query heads, 4 KV heads) at sizes 2 and 4; a failed rank ends the engine with an error.
+"""
+import argparse
+import json
+import os
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.distributed.group import RankFailure
+from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
+from oasiskv.models.config import preset
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SPARSE = dict(sparse=True, top_k_blocks=32, sparse_threshold=1024, drafter="self", host_kv_gb=0.5)
+
+
+def _stop(llm):
+    if llm.engine.config.tensor_parallel_size > 1:
+        llm.engine.runner.shutdown()
+
+
+# ---- sharding (no processes) ---------------------------------------------------------------
+
+def test_shard_plan_partitions_heads_rows_and_vocab():
+    cfg = preset("qwen3-8b")  # 32 query heads, 8 KV heads
+    plans = [shard_plan(cfg, r, 4) for r in range(4)]
+    assert [p.kv_heads for p in plans] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [p.q_heads for p in plans] == [range(0, 8), range(8, 16), range(16, 24), range(24, 32)]
+    assert sum(len(p.vocab) for p in plans) == cfg.vocab_size
+    local = local_config(cfg, plans[1])
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (8, 2, 3072)
+
+
+def test_kv_heads_replicate_beyond_their_count():
+    cfg = replace(preset("qwen3-8b"), num_heads=8, num_kv_heads=2, intermediate_size=96)
+    plans = [shard_plan(cfg, r, 4) for r in range(4)]
+    assert [p.kv_heads for p in plans] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    # query heads 0-3 belong to KV head 0 (group of 4): ranks 0 and 1 hold them
+    assert [p.q_heads for p in plans] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="KV heads"):
+        shard_plan(replace(cfg, num_heads=12), 0, 3)
+
+
+def test_shards_rebuild_every_tensor():
+    cfg = preset("qwen3-8b")
+    plans = [shard_plan(cfg, r, 4) for r in range(4)]
+    D, h = cfg.head_dim, 16
+    q = torch.randn(cfg.num_heads * D, h)
+    assert torch.equal(torch.cat([shard_tensor("model.layers.0.self_attn.q_proj.weight", q, p) for p in plans]), q)
+    o = torch.randn(h, cfg.num_heads * D)
+    assert torch.equal(torch.cat([shard_tensor("model.layers.0.self_attn.o_proj.weight", o, p) for p in plans], 1), o)
+    emb = torch.randn(cfg.vocab_size, h)
+    parts = [shard_tensor("model.embed_tokens.weight", emb, p) for p in plans]
+    assert all(t.shape[0] == plans[0].vocab_shard for t in parts)
+    assert torch.equal(torch.cat(parts)[:cfg.vocab_size], emb)
+
+
+# ---- the default model at size 3 -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol():
+    """Size 1 and size 3, sparse decode on (prompts under 1024 tokens decode dense)."""
+    one = LLM(max_model_len=1400, **SPARSE)
+    three = LLM(max_model_len=1400, tensor_parallel_size=3, distributed_timeout_s=60, **SPARSE)
+    yield one, three
+    _stop(three)
+
+
+def test_default_model_size_3_dense_tokens_and_logprobs(smol):
+    one, three = smol
+    prompts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number."]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    want, got = one.generate(prompts, params), three.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert "sparse_steps" not in g.stats
+        # log-softmax of the logits: equal to 1e-4 (float32) at every position, top 5 alike
+        diff = max(abs(gl[t] - wl[t]) for wl, gl in zip(w.logprobs, g.logprobs) for t in wl)
+        assert diff < 1e-4, diff
+
+
+def _long_ids(llm, n):
+    text = open(argparse.__file__).read()  # real text nobody here wrote: Python's own argparse
+    return llm.tokenizer.encode(text, add_special_tokens=False)[:n]
+
+
+def test_default_model_size_3_sparse_k32_self(smol):
+    """K = 32 of 69 blocks, the `self` drafter: each rank selects for its own KV head from its
+    own host pool; the tokens are size 1's."""
+    one, three = smol
+    ids = _long_ids(one, 1100)
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    want, got = one.generate(ids, params)[0], three.generate(ids, params)[0]
+    assert want.stats["sparse_steps"] == 24 and got.stats["sparse_steps"] == 24
+    assert got.token_ids == want.token_ids
