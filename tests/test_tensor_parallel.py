@@ -20,7 +20,7 @@ from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
 from oasiskv.models.config import preset
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-SPARSE = dict(sparse=True, top_k_blocks=32, sparse_threshold=1024, drafter="self", host_kv_gb=0.5)
+SPARSE = dict(sparse=True, top_k_blocks=32, sparse_threshold=400, drafter="self", host_kv_gb=0.5)
 
 
 def _stop(llm):
@@ -68,7 +68,7 @@ def test_shards_rebuild_every_tensor():
 
 @pytest.fixture(scope="module")
 def smol():
-    """Size 1 and size 3, sparse decode on (prompts under 1024 tokens decode dense)."""
+    """Size 1 and size 3, sparse decode on at K = 32 (prompts under 400 tokens decode dense)."""
     one = LLM(max_model_len=1400, **SPARSE)
     three = LLM(max_model_len=1400, tensor_parallel_size=3, distributed_timeout_s=60, **SPARSE)
     yield one, three
@@ -102,3 +102,65 @@ def test_default_model_size_3_sparse_k32_self(smol):
     want, got = one.generate(ids, params)[0], three.generate(ids, params)[0]
     assert want.stats["sparse_steps"] == 24 and got.stats["sparse_steps"] == 24
     assert got.token_ids == want.token_ids
+
+
+def test_default_model_size_3_sparse_full_budget(smol):
+    """A 520-token prompt: its 33 blocks all fit the 37 working-set pages, every block resident."""
+    one, three = smol
+    ids = _long_ids(one, 520)
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    want, got = one.generate(ids, params)[0], three.generate(ids, params)[0]
+    assert want.stats["sparse_steps"] == 16 and got.stats["sparse_steps"] == 16
+    assert got.token_ids == want.token_ids
+
+
+# ---- a reduced Qwen3 shape with random weights, at sizes 2 and 4 -----------------------------
+
+REDUCED_QWEN3 = {"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                 "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                 "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reduced_qwen3") / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    args = dict(load_format="dummy", max_model_len=1024)
+    sparse = dict(sparse=True, top_k_blocks=48, sparse_threshold=300, host_kv_gb=0.05, distributed_timeout_s=10)
+    engines = {1: LLM(str(path), **args)}
+    engines.update({n: LLM(str(path), tensor_parallel_size=n, **args, **sparse) for n in (2, 4)})
+    yield engines
+    for llm in engines.values():
+        _stop(llm)
+
+
+def test_reduced_qwen3_sizes_2_and_4_dense_and_sparse(reduced):
+    """Dense prompts, and a 600-token prompt that decodes sparse at sizes 2 and 4 with every block
+    resident: size 1's dense tokens throughout."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (7, 40, 600)]
+    want = [o.token_ids for o in reduced[1].generate(prompts, GREEDY)]
+    for n in (2, 4):
+        got = reduced[n].generate(prompts, GREEDY)
+        assert [o.token_ids for o in got] == want, n
+        assert got[2].stats["sparse_steps"] == 15 and "sparse_steps" not in got[0].stats
+
+
+def test_a_hung_rank_ends_the_engine_within_the_timeout(reduced):
+    llm = reduced[4]
+    os.kill(llm.engine.runner.ranks.procs[2].pid, signal.SIGSTOP)  # rank 3 stops answering
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="timeout 10 s"):
+        llm.generate([1, 2, 3], GREEDY)
+    assert 9 < time.monotonic() - t0 < 40
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error(reduced):
+    llm = reduced[2]
+    proc = llm.engine.runner.ranks.procs[0]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exited with code -9"):
+        llm.generate([1, 2, 3], GREEDY)
+    assert time.monotonic() - t0 < 10

@@ -33,6 +33,7 @@ class RankProcesses:
     def __init__(self, cfg: EngineConfig, port: int):
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also keeps the ranks clean
         self.procs, self.conns, self.errors = [], [], {}
+        self.failed = False  # after a failure the healthy ranks sit in a broken collective: no waiting on them
         for rank in range(1, cfg.tensor_parallel_size):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(rank, cfg, port, theirs), name=f"oasiskv-tp-rank{rank}")
@@ -47,12 +48,11 @@ class RankProcesses:
         deadline = time.monotonic() + timeout_s
         while waiting:
             for i in list(waiting):
-                if self.conns[i].poll(0.05):
-                    kind, text = self._receive(i)
-                    if kind == "ready":
-                        waiting.discard(i)
-                    else:
-                        raise self.failure(f"rank {i + 1} failed to start")
+                kind, _ = self._receive(i, wait_s=0.05)
+                if kind == "ready":
+                    waiting.discard(i)
+                elif kind != "none":
+                    raise self.failure(f"rank {i + 1} failed to start")
                 elif not self.procs[i].is_alive():
                     raise self.failure(f"rank {i + 1} exited while starting")
             if waiting and time.monotonic() > deadline:
@@ -68,9 +68,10 @@ class RankProcesses:
 
     def failure(self, what: str) -> RankFailure:
         """What happened to every rank that stopped, as one error."""
+        self.failed = True
         for i in range(len(self.conns)):
-            while self.conns[i].poll(0):
-                self._receive(i)
+            while self._receive(i, wait_s=0)[0] not in ("gone", "none"):
+                pass
         notes = []
         for i, p in enumerate(self.procs):
             if i + 1 in self.errors:
@@ -79,8 +80,12 @@ class RankProcesses:
                 notes.append(f"rank {i + 1} exited with code {p.exitcode}")
         return RankFailure("tensor parallelism: " + what + ("; " + "; ".join(notes) if notes else ""))
 
-    def _receive(self, i: int):
+    def _receive(self, i: int, wait_s: float | None = None):
+        """Rank i+1's next message: ("ready" | "error", text), ("none", None) if none came within
+        wait_s, ("gone", None) once its end is closed."""
         try:
+            if wait_s is not None and not self.conns[i].poll(wait_s):
+                return "none", None
             kind, text = self.conns[i].recv()
         except (EOFError, OSError):
             return "gone", None
@@ -94,7 +99,7 @@ class RankProcesses:
                 conn.send("stop")
             except OSError:
                 pass
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (0.0 if self.failed else wait_s)
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
