@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import replace
 
@@ -15,11 +16,18 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.distributed.group import RankFailure
+from oasiskv.distributed.group import RankFailure, free_port, init_group
+from oasiskv.distributed.model import ParallelLlamaForCausalLM
 from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
-from oasiskv.models.config import preset
+from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
+from oasiskv.models.config import ModelConfig, preset
+from oasiskv.models.llama import LlamaForCausalLM
+from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+REDUCED_QWEN3 = {"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                 "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                 "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 SPARSE = dict(sparse=True, top_k_blocks=32, sparse_threshold=400, drafter="self", host_kv_gb=0.5)
 
 
@@ -62,6 +70,50 @@ def test_shards_rebuild_every_tensor():
     parts = [shard_tensor("model.embed_tokens.weight", emb, p) for p in plans]
     assert all(t.shape[0] == plans[0].vocab_shard for t in parts)
     assert torch.equal(torch.cat(parts)[:cfg.vocab_size], emb)
+
+
+def _prefill_logits(model, cfg, ids):
+    """Logits of every position of one prompt, K/V not stored (write slots -1)."""
+    n, Hkv = len(ids), model.config.num_kv_heads
+    kv = [torch.empty(Hkv, 2, 16, cfg.head_dim)] * cfg.num_layers
+    meta = AttentionMetadata(write_slots=torch.full((n, Hkv), -1, dtype=torch.int32),
+                             write_offsets=torch.zeros(n, dtype=torch.int32),
+                             prefill_chunks=[PrefillChunk(0, n, 0, torch.empty(0, dtype=torch.long))])
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
+
+
+def _reduced_source():
+    # vocabulary 1001: the last rank's shard is padded at sizes 2 and 4
+    return ModelSource("dummy", replace(ModelConfig.from_hf_dict(REDUCED_QWEN3), vocab_size=1001))
+
+
+@pytest.mark.parametrize("model, size", [("default", 3), ("reduced", 2), ("reduced", 4)])
+def test_sharded_model_logits_equal_the_whole_model(model, size):
+    """One thread per rank (Gloo): every rank's logits of a 24-token prompt equal the whole
+    model's to 1e-4 in float32 (the default model's GGUF weights; the reduced shape's random ones)."""
+    source = resolve_model(None) if model == "default" else _reduced_source()
+    cfg = source.config
+    whole = LlamaForCausalLM(cfg)
+    whole.load_weights(iter_weights(source, torch.float32))
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = _prefill_logits(whole, cfg, ids)
+    port, got = free_port(), [None] * size
+
+    def rank(r):
+        group = init_group(r, size, port, torch.device("cpu"), 60)
+        model = ParallelLlamaForCausalLM(cfg, shard_plan(cfg, r, size), group)
+        model.load_weights(iter_weights(source, torch.float32))
+        got[r] = _prefill_logits(model, cfg, ids)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for logits in got:
+        assert logits.shape == want.shape
+        assert (logits - want).abs().max() < 1e-4
 
 
 # ---- the default model at size 3 -------------------------------------------------------------
@@ -110,10 +162,6 @@ def test_default_model_size_3_sparse(smol):
 
 
 # ---- a reduced Qwen3 shape with random weights, at sizes 2 and 4 -----------------------------
-
-REDUCED_QWEN3 = {"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
-                 "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
-                 "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 
 
 @pytest.fixture(scope="module")

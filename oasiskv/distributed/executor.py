@@ -10,7 +10,6 @@ engine then raises a `RankFailure` naming the ranks and why they stopped.
 """
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import time
 import weakref
@@ -23,8 +22,6 @@ from oasiskv.distributed.step_input import StepInputBuilder
 from oasiskv.distributed.worker import ParallelModelRunner, rank_device, worker_main
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
-
-log = logging.getLogger(__name__)
 
 
 class RankProcesses:
@@ -120,8 +117,9 @@ class DriverRunner(ParallelModelRunner):
             super().__init__(cfg, group)
             self.ranks.wait_ready(max(START_TIMEOUT_S, cfg.distributed_timeout_s))
         except RankFailure as e:
+            error = self._failure(e)
             self.shutdown()
-            raise self.ranks.failure(str(e)) from e
+            raise error from e
         except BaseException:
             self.shutdown()
             raise
@@ -133,7 +131,12 @@ class DriverRunner(ParallelModelRunner):
             self.group.broadcast_object(self.steps.build(batch))
             return super().execute(batch)
         except RankFailure as e:
-            raise self.ranks.failure(str(e)) from e
+            raise self._failure(e) from e
+
+    def _failure(self, e: RankFailure) -> RankFailure:
+        """A collective's failure, with what happened to each rank (once: `RankProcesses.failure`
+        may have said it already)."""
+        return e if self.ranks.failed else self.ranks.failure(str(e))
 
     def convert_to_sparse(self, seq: Sequence, last_q: torch.Tensor, pages: list[int]) -> None:
         self.steps.record_conversion(seq, pages)  # the other ranks convert before the next step

@@ -7,7 +7,6 @@ host pool gets the rank's share of `--host-kv-gb`.
 """
 from __future__ import annotations
 
-import logging
 import os
 import traceback
 from dataclasses import replace
@@ -21,8 +20,6 @@ from oasiskv.distributed.sharding import local_config, shard_plan
 from oasiskv.distributed.step_input import RequestMirror
 from oasiskv.engine.model_runner import ModelRunner, pick_device
 from oasiskv.models.loader import ModelSource, iter_weights
-
-log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often an idle rank checks that rank 0 is still there
 
