@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.config import EngineConfig
 from oasiskv.distributed.group import RankFailure, free_port, init_group
 from oasiskv.distributed.model import ParallelLlamaForCausalLM
 from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
@@ -70,6 +71,17 @@ def test_shards_rebuild_every_tensor():
     parts = [shard_tensor("model.embed_tokens.weight", emb, p) for p in plans]
     assert all(t.shape[0] == plans[0].vocab_shard for t in parts)
     assert torch.equal(torch.cat(parts)[:cfg.vocab_size], emb)
+
+
+def test_settings_above_size_1_step_synchronously_in_line():
+    cfg = EngineConfig(tensor_parallel_size=2)
+    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("off", "off")
+    assert EngineConfig().async_scheduling == "auto"  # size 1 untouched
+    for bad in (dict(async_scheduling="on"), dict(sparse_pipeline="on"), dict(drafter="oracle")):
+        with pytest.raises(ValueError):
+            EngineConfig(tensor_parallel_size=2, **bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
 
 
 def _prefill_logits(model, cfg, ids):
