@@ -201,6 +201,24 @@ def test_reduced_qwen3_sizes_2_and_4_dense_and_sparse(reduced):
         assert got[2].stats["sparse_steps"] == 15 and "sparse_steps" not in got[0].stats
 
 
+def test_reduced_qwen3_size_2_preempted_requests(reduced, tmp_path):
+    """Ten pages for four requests of four pages each: rank 0's scheduler preempts, the other
+    rank's mirror drops the pages and recomputes with it; the tokens are size 1's."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    page_bytes = 3 * 2 * 2 * 16 * 32 * 4  # layers x (K, V) x KV heads per rank x block x head dim x fp32
+    llm = LLM(str(path), load_format="dummy", max_model_len=1024, tensor_parallel_size=2,
+              kv_cache_gb=10 * page_bytes / 2**30, distributed_timeout_s=10)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 1000, (40,), generator=gen).tolist() for _ in range(4)]
+        want = [o.token_ids for o in reduced[1].generate(prompts, GREEDY)]
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        _stop(llm)
+
+
 def test_a_hung_rank_ends_the_engine_within_the_timeout(reduced):
     llm = reduced[4]
     os.kill(llm.engine.runner.ranks.procs[2].pid, signal.SIGSTOP)  # rank 3 stops answering
