@@ -2,7 +2,8 @@
 
 Each engine here starts its ranks once per module. The default model (SmolLM2-135M: 9 query
 heads, 3 KV heads) runs at size 3, dense and sparse; a reduced Qwen3-shaped model with random
-weights (8 query heads, 4 KV heads) at sizes 2 and 4; a failed rank ends the engine with an error.
+weights (8 query heads, 4 KV heads) at sizes 2 and 4; a failed rank ends the engine (and the
+server) with an error.
 """
 import argparse
 import json
@@ -13,10 +14,12 @@ import time
 from dataclasses import replace
 
 import pytest
+from server_client import call
 import torch
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import EngineConfig
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 from oasiskv.distributed.group import RankFailure, free_port, init_group
 from oasiskv.distributed.model import ParallelLlamaForCausalLM
 from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
@@ -237,3 +240,40 @@ def test_a_killed_rank_ends_the_engine_with_an_error(reduced):
     with pytest.raises(RankFailure, match="rank 1 exited with code -9"):
         llm.generate([1, 2, 3], GREEDY)
     assert time.monotonic() - t0 < 10
+
+
+def _spawned_ranks(pid: int) -> list[int]:
+    """Process ids of the ranks `pid` spawned (multiprocessing's resource tracker left out)."""
+    ranks = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and "spawn_main" in cmd:
+            ranks.append(int(d))
+    return ranks
+
+
+def test_server_ends_when_a_rank_dies(tmp_path):
+    """`oasiskv serve -tp 2`: a killed rank fails the next request with 503, and the server exits
+    with status 1 (an engine fault, docs/serving.md)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    port = free_port()
+    proc = start_server([str(path), "--load-format", "dummy", "--max-model-len", "512", "-tp", "2",
+                         "--distributed-timeout-s", "10"], "127.0.0.1", port, timeout=300)
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": str(path), "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+    try:
+        assert call(base, "/v1/completions", body)[0] == 200
+        (rank,) = _spawned_ranks(proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        status, _ = call(base, "/v1/completions", body)
+        assert status == 503
+        assert proc.wait(60) == 1
+    finally:
+        stop_server(proc)
