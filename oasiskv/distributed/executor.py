@@ -75,6 +75,9 @@ class RankProcesses:
                 notes.append(f"rank {i + 1} raised:\n{self.errors[i + 1]}")
             elif p.exitcode is not None:
                 notes.append(f"rank {i + 1} exited with code {p.exitcode}")
+        alive = [i + 1 for i, p in enumerate(self.procs) if p.is_alive()]
+        if alive:  # a hung rank, or one still waiting in the broken collective
+            notes.append(f"still running: rank {', '.join(map(str, alive))}")
         return RankFailure("tensor parallelism: " + what + ("; " + "; ".join(notes) if notes else ""))
 
     def _receive(self, i: int, wait_s: float | None = None):
