@@ -36,6 +36,8 @@ class EngineConfig:
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
     enable_prefix_caching: bool = True  # share cached leading blocks between requests (vLLM v1's default)
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
+    tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is split over
+    distributed_timeout_s: float = 300.0  # the longest a collective between ranks may wait
 
     def __post_init__(self):
         if self.sparse_threshold is None:
@@ -55,16 +57,31 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.sparse_pipeline not in ("auto", "on", "off"):
             raise ValueError(f"sparse_pipeline must be auto, on or off, got {self.sparse_pipeline!r}")
         if self.sparse_pipeline == "on" and self.drafter in ("oracle", "ondemand"):
             raise ValueError(f"the {self.drafter} drafter runs on the in-line path only: use --sparse-pipeline off")
+        if self.tensor_parallel_size > 1:
+            self._check_parallel()
         sc = self.sparse_config()  # validates the sparse flags
         if sc.enabled and sc.sparse_threshold <= (sc.sink_blocks + sc.window_blocks) * self.block_size:
             raise ValueError(f"--sparse-threshold {sc.sparse_threshold} must exceed the sink and window "
                              f"blocks ({sc.sink_blocks} + {sc.window_blocks}) x block size {self.block_size}")
+
+    def _check_parallel(self) -> None:
+        """Tensor parallelism steps synchronously, with sparse decode on the in-line path."""
+        if self.async_scheduling == "on" or self.sparse_pipeline == "on":
+            raise ValueError("--tensor-parallel-size > 1 runs without async scheduling and with "
+                             "--sparse-pipeline off")
+        if self.drafter == "oracle":
+            raise ValueError("the oracle drafter does not run with --tensor-parallel-size > 1")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+        self.async_scheduling, self.sparse_pipeline = "off", "off"
 
     def sparse_config(self) -> SparseConfig:
         return SparseConfig(enabled=self.sparse, top_k_blocks=self.top_k_blocks, sink_blocks=self.sink_blocks,

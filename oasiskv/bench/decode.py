@@ -113,6 +113,8 @@ class DecodeBench:
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         self.tail = args.warmup + args.steps + 2 * 16 + 1  # room for decoded tokens and capture warm-ups
         cfg = engine_config(args)
+        if cfg.tensor_parallel_size > 1:  # it drives one ModelRunner directly, not the engine
+            raise ValueError("bench decode runs one rank: --tensor-parallel-size > 1 is not supported here yet")
         cfg = dataclasses.replace(cfg, sparse=False, max_model_len=max(contexts) + self.tail,
                                   max_num_seqs=max(max(batches), args.batch_size))
         t0 = time.perf_counter()

@@ -67,10 +67,16 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (vLLM's name)
 
 
+def _parallel_runner(config: EngineConfig) -> ModelRunner:
+    from oasiskv.distributed.executor import DriverRunner  # size 1 never imports it
+
+    return DriverRunner(config)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config) if config.tensor_parallel_size == 1 else _parallel_runner(config)
         self.tokenizer = load_tokenizer(self.runner.source)
         mc = self.runner.model_config
         # What besides the tokens decides a block's K/V: the root of every block name.
@@ -254,7 +260,7 @@ class LLMEngine:
             pages = bm.take(need) or bm.take_own(seq, need)
             if pages is None:
                 continue  # no room for the working set now; it stays dense and tries again
-            runner.sparse.convert(seq, last_q, pages)
+            runner.convert_to_sparse(seq, last_q, pages)
             kept = set(pages)
             dense_pages = [p for p in seq.pages if p not in kept]
             seq.pages, seq.convert_early = pages, False

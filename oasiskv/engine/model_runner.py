@@ -17,7 +17,7 @@ from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.sparse_decode import SparseDecodeMixin
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.llama import LlamaForCausalLM
-from oasiskv.models.loader import iter_weights, resolve_model
+from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
@@ -39,7 +39,7 @@ class ModelRunner(SparseDecodeMixin):
         self.device = pick_device(cfg.device)
         self.dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.source = resolve_model(cfg.model, cfg.load_format, cfg.rope_scaling)
+        self.source = self._model_source()
         mc = self.source.config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:
@@ -76,6 +76,9 @@ class ModelRunner(SparseDecodeMixin):
                 self.capture_pipeline_steps()
 
     # ---- set-up -------------------------------------------------------------------------
+    def _model_source(self) -> ModelSource:
+        return resolve_model(self.cfg.model, self.cfg.load_format, self.cfg.rope_scaling)
+
     def _load_model(self) -> LlamaForCausalLM:
         mc = self.source.config
         default_dtype = torch.get_default_dtype()
@@ -215,6 +218,10 @@ class ModelRunner(SparseDecodeMixin):
         return ids, pos, meta
 
     # ---- execution ----------------------------------------------------------------------
+    def convert_to_sparse(self, seq: Sequence, last_q: torch.Tensor, pages: list[int]) -> None:
+        """A dense request moves to sparse decode after a step (`SparseManager.convert`)."""
+        self.sparse.convert(seq, last_q, pages)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Runs one step; returns the sampled token per sequence (None: mid-prompt chunk)."""

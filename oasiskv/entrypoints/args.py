@@ -30,6 +30,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the K/V of cached leading blocks shared with earlier requests (on by default)")
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="launch decode step t+1 before reading step t's tokens (auto: on CUDA)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N devices, one process each (KV heads partitioned)")
+    g.add_argument("--distributed-timeout-s", type=float, default=300.0,
+                   help="the longest a collective between tensor-parallel ranks waits: a dead or "
+                        "hung rank ends the engine with an error after it")
     sp = p.add_argument_group("sparse decode (KV beyond GPU memory)")
     sp.add_argument("--sparse", action="store_true", help="decode long requests from a head-wise working set")
     sp.add_argument("--top-k-blocks", type=int, default=128)
@@ -78,4 +83,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         drafter=args.drafter, host_kv_gb=args.host_kv_gb, summary_dtype=args.summary_dtype,
         fetch_budget=getattr(args, "fetch_budget", "auto"),
         sparse_pipeline=args.sparse_pipeline,
-        enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling)
+        enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        distributed_timeout_s=getattr(args, "distributed_timeout_s", 300.0))

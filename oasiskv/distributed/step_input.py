@@ -1,0 +1,152 @@
+"""What rank 0 tells the other ranks before each step, and their mirror of its requests.
+
+Rank 0 owns the scheduler and the requests (`Sequence`). The other ranks keep a mirror of each
+request that has run, holding what their model runner reads: its tokens, page table, cached
+count, host extent and, once sparse, their own working set (of their own KV heads). Before a
+step rank 0 sends a `StepInput` with what changed since the last one (as vLLM's scheduler
+output does), and every rank then runs the same batch. Sampled tokens are rank 0's: the
+others' samples are dropped, and rank 0's arrive with the next step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from oasiskv.engine.scheduler import ScheduledBatch
+from oasiskv.engine.sequence import Sequence
+from oasiskv.sampling_params import SamplingParams
+from oasiskv.sparse.host_pool import HostExtent
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    request_id: str
+    new_tokens: list[int]  # the tokens past those the ranks hold (the whole prompt at first sight)
+    num_cached_tokens: int
+    convert_early: bool
+    sparse: bool
+    params: SamplingParams | None = None  # at first sight, without logits processors
+    num_prompt_tokens: int | None = None  # at first sight
+    pages: list[int] | None = None  # None: unchanged
+    host_extent: HostExtent | None = None  # when it first holds one
+    draft: int | None = None  # a sparse request's draft token, chosen on rank 0
+
+
+@dataclass(slots=True)
+class Conversion:
+    """Rank 0 converted a request to sparse after the last step (`SparseManager.convert`)."""
+    request_id: str
+    num_cached_tokens: int
+    dense_pages: list[int]
+    working_set_pages: list[int]
+
+
+@dataclass(slots=True)
+class StepInput:
+    requests: list[RequestUpdate]  # the batch, in order
+    num_tokens: list[int]
+    is_prefill: bool
+    conversions: list[Conversion] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # requests gone since the last step
+
+
+@dataclass(slots=True)
+class _Sent:
+    seq: Sequence
+    num_tokens: int
+    pages: list[int]
+    has_extent: bool
+
+
+class StepInputBuilder:
+    """Rank 0: turns each scheduled batch into a `StepInput` of what the other ranks lack."""
+
+    def __init__(self):
+        self.sent: dict[str, _Sent] = {}
+        self.conversions: list[Conversion] = []
+
+    def record_conversion(self, seq: Sequence, pages: list[int]) -> None:
+        self.conversions.append(Conversion(seq.request_id, seq.num_cached_tokens, list(seq.pages), list(pages)))
+
+    def build(self, batch: ScheduledBatch) -> StepInput:
+        gone = [rid for rid, s in self.sent.items() if s.seq.is_finished]
+        for rid in gone:
+            del self.sent[rid]
+        step = StepInput([self._update(seq) for seq in batch.seqs], list(batch.num_tokens), batch.is_prefill,
+                         self.conversions, gone)
+        self.conversions = []
+        return step
+
+    def _update(self, seq: Sequence) -> RequestUpdate:
+        s = self.sent.get(seq.request_id)
+        first = s is None or s.seq is not seq
+        if first:
+            s = self.sent[seq.request_id] = _Sent(seq, 0, [], False)
+        u = RequestUpdate(seq.request_id, seq.token_ids[s.num_tokens:], seq.num_cached_tokens, seq.convert_early,
+                          seq.sparse is not None,
+                          draft=seq.sparse.draft if seq.sparse is not None else None)
+        if first:
+            u.params = replace(seq.params, logits_processors=[])
+            u.num_prompt_tokens = len(seq.prompt_token_ids)
+        if seq.pages != s.pages:
+            u.pages = s.pages = list(seq.pages)
+        if seq.host_extent is not None and not s.has_extent:
+            u.host_extent, s.has_extent = seq.host_extent, True
+        s.num_tokens = seq.num_tokens
+        return u
+
+
+class RequestMirror:
+    """A rank other than 0: its copy of every request that has run, kept up by each StepInput."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.seqs: dict[str, Sequence] = {}
+
+    def apply(self, step: StepInput) -> ScheduledBatch:
+        """Conversions first (they read the state of the step that decided them), then the
+        finished requests (their host extents go back before new ones are placed, as on rank 0),
+        then the batch's changes."""
+        r = self.runner
+        recorded = {id(seq): q for seq, q in r.pending_conversions}
+        r.pending_conversions = []
+        for c in step.conversions:
+            seq = self.seqs[c.request_id]
+            if id(seq) not in recorded:
+                raise RuntimeError(f"request {c.request_id!r} converted on rank 0 but recorded no query here")
+            seq.num_cached_tokens, seq.pages = c.num_cached_tokens, list(c.dense_pages)
+            r.convert_to_sparse(seq, recorded[id(seq)], c.working_set_pages)
+            seq.pages = list(c.working_set_pages)
+        for rid in step.finished:
+            seq = self.seqs.pop(rid)
+            if r.sparse is not None:
+                r.sparse.release(seq)
+        return ScheduledBatch([self._update(u) for u in step.requests], step.num_tokens, step.is_prefill)
+
+    def _update(self, u: RequestUpdate) -> Sequence:
+        seq = self.seqs.get(u.request_id)
+        if seq is None:
+            prompt, out = u.new_tokens[:u.num_prompt_tokens], u.new_tokens[u.num_prompt_tokens:]
+            seq = self.seqs[u.request_id] = Sequence(u.request_id, prompt, u.params, output_token_ids=out)
+        else:
+            seq.output_token_ids.extend(u.new_tokens)
+        seq.num_cached_tokens, seq.convert_early = u.num_cached_tokens, u.convert_early
+        if u.pages is not None:
+            seq.pages = u.pages
+        if u.host_extent is not None:
+            self._place_extent(seq, u.host_extent)
+        if not u.sparse and seq.sparse is not None:  # preempted: recomputed dense, converted again
+            self.runner.sparse.leave_pipeline(seq)
+            seq.sparse = None
+        if seq.sparse is not None:
+            seq.sparse.draft = u.draft
+        return seq
+
+    def _place_extent(self, seq: Sequence, ext: HostExtent) -> None:
+        """The same extent in this rank's host pool: every rank's pool has the same layout and
+        sees the same allocations and frees in the same order, so first-fit lands on the same
+        start."""
+        mine = self.runner.sparse.host.allocate(seq.request_id, ext.num_layers, ext.max_blocks, ext.num_kv_heads)
+        if mine is None or mine.start != ext.start:
+            raise RuntimeError(f"request {seq.request_id!r}: host extent at {mine and mine.start} on this rank, "
+                               f"{ext.start} on rank 0")
+        seq.host_extent = mine

@@ -1,0 +1,279 @@
+"""Tensor parallelism on CPU (Gloo, one process per rank): the same greedy tokens as one rank.
+
+Each engine here starts its ranks once per module. The default model (SmolLM2-135M: 9 query
+heads, 3 KV heads) runs at size 3, dense and sparse; a reduced Qwen3-shaped model with random
+weights (8 query heads, 4 KV heads) at sizes 2 and 4; a failed rank ends the engine (and the
+server) with an error.
+"""
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from server_client import call
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.config import EngineConfig
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server
+from oasiskv.distributed.group import RankFailure, free_port, init_group
+from oasiskv.distributed.model import ParallelLlamaForCausalLM
+from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
+from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
+from oasiskv.models.config import ModelConfig, preset
+from oasiskv.models.llama import LlamaForCausalLM
+from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+REDUCED_QWEN3 = {"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                 "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                 "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+SPARSE = dict(sparse=True, top_k_blocks=32, sparse_threshold=400, drafter="self", host_kv_gb=0.5)
+
+
+def _stop(llm):
+    if llm.engine.config.tensor_parallel_size > 1:
+        llm.engine.runner.shutdown()
+
+
+# ---- sharding (no processes) ---------------------------------------------------------------
+
+def test_shard_plan_partitions_heads_rows_and_vocab():
+    cfg = preset("qwen3-8b")  # 32 query heads, 8 KV heads
+    plans = [shard_plan(cfg, r, 4) for r in range(4)]
+    assert [p.kv_heads for p in plans] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [p.q_heads for p in plans] == [range(0, 8), range(8, 16), range(16, 24), range(24, 32)]
+    assert sum(len(p.vocab) for p in plans) == cfg.vocab_size
+    local = local_config(cfg, plans[1])
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (8, 2, 3072)
+
+
+def test_kv_heads_replicate_beyond_their_count():
+    cfg = replace(preset("qwen3-8b"), num_heads=8, num_kv_heads=2, intermediate_size=96)
+    plans = [shard_plan(cfg, r, 4) for r in range(4)]
+    assert [p.kv_heads for p in plans] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    # query heads 0-3 belong to KV head 0 (group of 4): ranks 0 and 1 hold them
+    assert [p.q_heads for p in plans] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="KV heads"):
+        shard_plan(replace(cfg, num_heads=12), 0, 3)
+
+
+def test_shards_rebuild_every_tensor():
+    cfg = preset("qwen3-8b")
+    plans = [shard_plan(cfg, r, 4) for r in range(4)]
+    D, h = cfg.head_dim, 16
+    q = torch.randn(cfg.num_heads * D, h)
+    assert torch.equal(torch.cat([shard_tensor("model.layers.0.self_attn.q_proj.weight", q, p) for p in plans]), q)
+    o = torch.randn(h, cfg.num_heads * D)
+    assert torch.equal(torch.cat([shard_tensor("model.layers.0.self_attn.o_proj.weight", o, p) for p in plans], 1), o)
+    emb = torch.randn(cfg.vocab_size, h)
+    parts = [shard_tensor("model.embed_tokens.weight", emb, p) for p in plans]
+    assert all(t.shape[0] == plans[0].vocab_shard for t in parts)
+    assert torch.equal(torch.cat(parts)[:cfg.vocab_size], emb)
+
+
+def test_settings_above_size_1_step_synchronously_in_line():
+    cfg = EngineConfig(tensor_parallel_size=2)
+    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("off", "off")
+    assert EngineConfig().async_scheduling == "auto"  # size 1 untouched
+    for bad in (dict(async_scheduling="on"), dict(sparse_pipeline="on"), dict(drafter="oracle")):
+        with pytest.raises(ValueError):
+            EngineConfig(tensor_parallel_size=2, **bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def _prefill_logits(model, cfg, ids):
+    """Logits of every position of one prompt, K/V not stored (write slots -1)."""
+    n, Hkv = len(ids), model.config.num_kv_heads
+    kv = [torch.empty(Hkv, 2, 16, cfg.head_dim)] * cfg.num_layers
+    meta = AttentionMetadata(write_slots=torch.full((n, Hkv), -1, dtype=torch.int32),
+                             write_offsets=torch.zeros(n, dtype=torch.int32),
+                             prefill_chunks=[PrefillChunk(0, n, 0, torch.empty(0, dtype=torch.long))])
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
+
+
+def _reduced_source():
+    # vocabulary 1001: the last rank's shard is padded at sizes 2 and 4
+    return ModelSource("dummy", replace(ModelConfig.from_hf_dict(REDUCED_QWEN3), vocab_size=1001))
+
+
+@pytest.mark.parametrize("model, size", [("default", 3), ("reduced", 2), ("reduced", 4)])
+def test_sharded_model_logits_equal_the_whole_model(model, size):
+    """One thread per rank (Gloo): every rank's logits of a 24-token prompt equal the whole
+    model's to 1e-4 in float32 (the default model's GGUF weights; the reduced shape's random ones)."""
+    source = resolve_model(None) if model == "default" else _reduced_source()
+    cfg = source.config
+    whole = LlamaForCausalLM(cfg)
+    whole.load_weights(iter_weights(source, torch.float32))
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = _prefill_logits(whole, cfg, ids)
+    port, got = free_port(), [None] * size
+
+    def rank(r):
+        group = init_group(r, size, port, torch.device("cpu"), 60)
+        model = ParallelLlamaForCausalLM(cfg, shard_plan(cfg, r, size), group)
+        model.load_weights(iter_weights(source, torch.float32))
+        got[r] = _prefill_logits(model, cfg, ids)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for logits in got:
+        assert logits.shape == want.shape
+        assert (logits - want).abs().max() < 1e-4
+
+
+# ---- the default model at size 3 -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol():
+    """Size 1 and size 3, sparse decode on at K = 32 (prompts under 400 tokens decode dense)."""
+    one = LLM(max_model_len=1400, **SPARSE)
+    three = LLM(max_model_len=1400, tensor_parallel_size=3, distributed_timeout_s=60, **SPARSE)
+    yield one, three
+    _stop(three)
+
+
+def test_default_model_size_3_dense_tokens_and_logprobs(smol):
+    one, three = smol
+    prompts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number."]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    want, got = one.generate(prompts, params), three.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert "sparse_steps" not in g.stats
+        # log-softmax of the logits: equal to 1e-4 (float32) at every position, top 5 alike
+        diff = max(abs(gl[t] - wl[t]) for wl, gl in zip(w.logprobs, g.logprobs) for t in wl)
+        assert diff < 1e-4, diff
+
+
+def _long_ids(llm, n):
+    text = open(argparse.__file__).read()  # real text nobody here wrote: Python's own argparse
+    return llm.tokenizer.encode(text, add_special_tokens=False)[:n]
+
+
+def test_default_model_size_3_sparse(smol):
+    """One batch: a 1100-token prompt decoding sparse at K = 32 of its 69 blocks with the `self`
+    drafter, a 520-token one whose 33 blocks all fit the 37 working-set pages (full budget), and
+    a short one decoding dense with seeded sampling. Each rank selects for its own KV head from
+    its own host pool (two extents, placed alike on every rank); rank 0 samples. The tokens are
+    size 1's."""
+    one, three = smol
+    prompts = [_long_ids(one, 1100), _long_ids(one, 520), "Once upon a time"]
+    greedy = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    params = [greedy, greedy, SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=13, ignore_eos=True)]
+    want, got = one.generate(prompts, params), three.generate(prompts, params)
+    assert [o.stats.get("sparse_steps") for o in want] == [12, 12, None]
+    assert [o.stats.get("sparse_steps") for o in got] == [12, 12, None]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+# ---- a reduced Qwen3 shape with random weights, at sizes 2 and 4 -----------------------------
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reduced_qwen3") / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    args = dict(load_format="dummy", max_model_len=1024)
+    sparse = dict(sparse=True, top_k_blocks=48, sparse_threshold=300, host_kv_gb=0.05, distributed_timeout_s=10)
+    engines = {1: LLM(str(path), **args)}
+    engines.update({n: LLM(str(path), tensor_parallel_size=n, **args, **sparse) for n in (2, 4)})
+    yield engines
+    for llm in engines.values():
+        _stop(llm)
+
+
+def test_reduced_qwen3_sizes_2_and_4_dense_and_sparse(reduced):
+    """Dense prompts, and a 600-token prompt that decodes sparse at sizes 2 and 4 with every block
+    resident: size 1's dense tokens throughout."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (7, 40, 600)]
+    want = [o.token_ids for o in reduced[1].generate(prompts, GREEDY)]
+    for n in (2, 4):
+        got = reduced[n].generate(prompts, GREEDY)
+        assert [o.token_ids for o in got] == want, n
+        assert got[2].stats["sparse_steps"] == 15 and "sparse_steps" not in got[0].stats
+
+
+def test_reduced_qwen3_size_2_preempted_requests(reduced, tmp_path):
+    """Ten pages for four requests of four pages each: rank 0's scheduler preempts, the other
+    rank's mirror drops the pages and recomputes with it; the tokens are size 1's."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    page_bytes = 3 * 2 * 2 * 16 * 32 * 4  # layers x (K, V) x KV heads per rank x block x head dim x fp32
+    llm = LLM(str(path), load_format="dummy", max_model_len=1024, tensor_parallel_size=2,
+              kv_cache_gb=10 * page_bytes / 2**30, distributed_timeout_s=10)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 1000, (40,), generator=gen).tolist() for _ in range(4)]
+        want = [o.token_ids for o in reduced[1].generate(prompts, GREEDY)]
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        _stop(llm)
+
+
+def test_a_hung_rank_ends_the_engine_within_the_timeout(reduced):
+    llm = reduced[4]
+    os.kill(llm.engine.runner.ranks.procs[2].pid, signal.SIGSTOP)  # rank 3 stops answering
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="timeout 10 s"):
+        llm.generate([1, 2, 3], GREEDY)
+    assert 9 < time.monotonic() - t0 < 40
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error(reduced):
+    llm = reduced[2]
+    proc = llm.engine.runner.ranks.procs[0]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exited with code -9"):
+        llm.generate([1, 2, 3], GREEDY)
+    assert time.monotonic() - t0 < 10
+
+
+def _spawned_ranks(pid: int) -> list[int]:
+    """Process ids of the ranks `pid` spawned (multiprocessing's resource tracker left out)."""
+    ranks = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and "spawn_main" in cmd:
+            ranks.append(int(d))
+    return ranks
+
+
+def test_server_ends_when_a_rank_dies(tmp_path):
+    """`oasiskv serve -tp 2`: a killed rank fails the next request with 503, and the server exits
+    with status 1 (an engine fault, docs/serving.md)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    port = free_port()
+    proc = start_server([str(path), "--load-format", "dummy", "--max-model-len", "512", "-tp", "2",
+                         "--distributed-timeout-s", "10"], "127.0.0.1", port, timeout=300)
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": str(path), "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+    try:
+        assert call(base, "/v1/completions", body)[0] == 200
+        (rank,) = _spawned_ranks(proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        status, _ = call(base, "/v1/completions", body)
+        assert status == 503
+        assert proc.wait(60) == 1
+    finally:
+        stop_server(proc)
