@@ -5,7 +5,8 @@ inputs: chunk offsets 0, mid-block and block-aligned, GQA ratios 1, 3, 4 and 7, 
 The torch path is compared directly. The Triton kernel runs under Triton's CPU interpreter in a
 subprocess (this file executed as a script with TRITON_INTERPRET=1, as tests/test_kernels.py),
 at tiny shapes and with float16/float32 only: the interpreter's bf16 tl.dot is wrong, so bf16
-is checked on the GPU machine (scripts/gpu_bench_prefill.sh check).
+is checked on the GPU machine (scripts/gpu_prefill_kernel.py). A second subprocess runs the
+engine's chunked prefill of the default model through the kernel, against the torch path.
 """
 from __future__ import annotations
 
