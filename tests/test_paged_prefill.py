@@ -5,12 +5,14 @@ inputs: chunk offsets 0, mid-block and block-aligned, GQA ratios 1, 3, 4 and 7, 
 The torch path is compared directly. The Triton kernel runs under Triton's CPU interpreter in a
 subprocess (this file executed as a script with TRITON_INTERPRET=1, as tests/test_kernels.py),
 at tiny shapes and with float16/float32 only: the interpreter's bf16 tl.dot is wrong, so bf16
-is checked on the GPU machine (scripts/gpu_bench_prefill.sh check).
+is checked on the GPU machine (scripts/gpu_prefill_kernel.py). A second subprocess runs the
+engine's chunked prefill of the default model through the kernel, against the torch path.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -126,6 +128,38 @@ def test_paged_prefill_triton_interpreter(interpreter_errors, name):
     assert interpreter_errors[name] < TOL[KERNEL_CASES[name][4]]
 
 
+# ----------------------------------------------------------------- the engine's prefill through the kernel
+
+PROMPT = ("The history of the Roman Empire spans many centuries. It began when Augustus became the "
+          "first emperor, and in the west it ended when the last emperor was deposed")
+
+
+def engine_prefill_logits() -> list[float]:
+    """The default model's logits after its prompt, prefilled in chunks of 13 tokens (offsets
+    0, 13, 26, ...: mid-block), through whichever path `paged_prefill` takes in this process."""
+    from oasiskv import LLM, SamplingParams
+    llm = LLM(max_num_batched_tokens=13)
+    model, seen = llm.engine.runner.model, []
+    original = model.compute_logits
+    model.compute_logits = lambda hidden: seen.append(original(hidden)) or seen[-1]
+    ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert len(ids) > 26
+    llm.generate(ids, SamplingParams(temperature=0, max_tokens=1))
+    return seen[0][0].tolist()
+
+
+def test_engine_prefill_through_the_kernel_matches_the_torch_path():
+    """Under the interpreter every prefill chunk of the engine runs the Triton kernel: its logits
+    equal those of the torch path (float32), which tests/test_engine_vs_hf.py holds to HF."""
+    got = torch.tensor(run_under_interpreter(__file__, "engine")["logits"])
+    want = torch.tensor(engine_prefill_logits())
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert got.argmax() == want.argmax()
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
-    print(json.dumps(run_interpreter_cases()))
+    if sys.argv[1:] == ["engine"]:
+        print(json.dumps({"logits": engine_prefill_logits()}))
+    else:
+        print(json.dumps(run_interpreter_cases()))

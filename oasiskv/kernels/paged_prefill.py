@@ -53,8 +53,9 @@ def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, table: PrefillTable, num_kv_heads: int,
                   scale: float) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D]: Triton on CUDA tensors, torch otherwise (as `paged_decode`)."""
-    if q.is_cuda:
+    """q [T, Hq, D] -> [T, Hq, D]: Triton on CUDA tensors and under Triton's interpreter (so the
+    engine's prefill runs the kernel in a CPU test), torch otherwise."""
+    if triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
         return paged_prefill_triton(q, kv_cache, table, num_kv_heads, scale)
     return paged_prefill_torch(q, kv_cache, table, num_kv_heads, scale)
 
