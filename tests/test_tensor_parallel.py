@@ -23,7 +23,7 @@ from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 from oasiskv.distributed.group import RankFailure, free_port, init_group
 from oasiskv.distributed.model import ParallelLlamaForCausalLM
 from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
-from oasiskv.layers.attention import AttentionMetadata, PrefillChunk
+from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.config import ModelConfig, preset
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
@@ -88,12 +88,15 @@ def test_settings_above_size_1_step_synchronously_in_line():
 
 
 def _prefill_logits(model, cfg, ids):
-    """Logits of every position of one prompt, K/V not stored (write slots -1)."""
-    n, Hkv = len(ids), model.config.num_kv_heads
-    kv = [torch.empty(Hkv, 2, 16, cfg.head_dim)] * cfg.num_layers
-    meta = AttentionMetadata(write_slots=torch.full((n, Hkv), -1, dtype=torch.int32),
-                             write_offsets=torch.zeros(n, dtype=torch.int32),
-                             prefill_chunks=[PrefillChunk(0, n, 0, torch.empty(0, dtype=torch.long))])
+    """Logits of every position of one prompt, its K/V stored in pages 0, 1, ... of each layer."""
+    n, Hkv, bs = len(ids), model.config.num_kv_heads, 16
+    pages = list(range((n + bs - 1) // bs))
+    kv = [torch.zeros(len(pages) * Hkv, 2, bs, cfg.head_dim) for _ in range(cfg.num_layers)]
+    t = torch.arange(n)
+    chunks = [PrefillChunk(0, n, 0, pages)]
+    meta = AttentionMetadata(write_slots=((t // bs)[:, None] * Hkv + torch.arange(Hkv)).to(torch.int32),
+                             write_offsets=(t % bs).to(torch.int32), prefill_chunks=chunks,
+                             prefill_table=prefill_table(chunks, torch.device("cpu")))
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
 
