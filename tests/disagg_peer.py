@@ -48,6 +48,7 @@ def main() -> None:
     region.copy_(pattern(seed, 0, region.numel()))
     transport = make_transport(kind)
     transport.register(pool.items)
+    transport.serve()
     lock = threading.Lock()
     leases = LeaseTable(pool.free)
 

@@ -1,7 +1,9 @@
 """The NIXL transport (NVIDIA's NIXL over UCX, `nixl-cu12`; docs/disaggregation.md).
 
 Each side makes one agent with NIXL's progress thread off (on a small host it competes with
-the engine for cores; the reader drives progress when it polls) and registers its region once.
+the engine for cores) and registers its region once. The reader drives its reads' progress
+when it polls; the owner must progress too (UCX's connection set-up, and reads that are not
+zero-copy), so `serve` starts a thread that does that every millisecond.
 `metadata()` carries the agent's metadata plus the region's address and size; `add_peer` loads
 the agent metadata into the local agent. A batched read is one NIXL READ request of N
 descriptors, (remote address, length) into (local address, length).
@@ -15,7 +17,9 @@ Imported lazily: `nixl_available()` says whether the package imports.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import uuid
 
 import numpy as np
@@ -45,6 +49,9 @@ def nixl_available() -> str | None:
     return None
 
 
+PROGRESS_INTERVAL_S = 0.001
+
+
 def _is_disconnect(e: Exception) -> bool:
     return "Disconnect" in type(e).__name__ or "DISCONNECT" in str(e).upper()
 
@@ -55,16 +62,31 @@ class NixlTransport(Transport):
     def __init__(self, agent_name: str | None = None):
         super().__init__()
         nixl = _import_nixl()
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
         # UCX reads UCX_* from the environment at agent creation: e.g. UCX_TLS to restrict it.
-        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        # STRICT: the owner's progress thread and the caller share the agent.
+        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                        sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent_name = agent_name or f"oasiskv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl.nixl_agent(self.agent_name, config)
         self._peers: dict[str, dict] = {}  # name -> {"addr", "size", "error"}
         self._reg = None
+        self._closed = threading.Event()
+        self._progress_thread: threading.Thread | None = None
 
     def _register(self, region: torch.Tensor) -> None:
         self._reg = self.agent.register_memory(region)
         self._base = region.data_ptr()
+
+    def serve(self) -> None:
+        self._progress_thread = threading.Thread(target=self._progress_forever, name="nixl-progress",
+                                                 daemon=True)
+        self._progress_thread.start()
+
+    def _progress_forever(self) -> None:
+        while not self._closed.is_set():
+            self.agent.get_new_notifs()  # progresses the UCX workers
+            self._closed.wait(PROGRESS_INTERVAL_S)
 
     def metadata(self) -> bytes:
         return json.dumps({"transport": self.name, "agent": self.agent.get_agent_metadata().hex(),
@@ -155,6 +177,9 @@ class NixlTransport(Transport):
             self._peers[pending.peer]["error"] = PeerDisconnected(pending.peer, "dropped after a read timed out")
 
     def close(self) -> None:
+        self._closed.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join()
         for peer in list(self._peers):
             self.remove_peer(peer)
         if self._reg is not None:

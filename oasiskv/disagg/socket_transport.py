@@ -134,6 +134,8 @@ class SocketTransport(Transport):
     # ---- owner side -----------------------------------------------------------------
     def _register(self, region: torch.Tensor) -> None:
         self._view = memoryview(region.numpy())
+
+    def serve(self) -> None:
         self._listener = socket.create_server((self.host, self.port))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, name="block-server", daemon=True).start()

@@ -101,8 +101,12 @@ class Transport(ABC):
     def _register(self, region: torch.Tensor) -> None: ...
 
     @abstractmethod
+    def serve(self) -> None:
+        """Owner side: start answering peers' reads of the registered region (once)."""
+
+    @abstractmethod
     def metadata(self) -> bytes:
-        """What a reader passes to `add_peer` to read this side's region."""
+        """Owner side, after `serve`: what a reader passes to `add_peer` to read this region."""
 
     @abstractmethod
     def add_peer(self, metadata: bytes) -> str:
