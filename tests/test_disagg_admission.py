@@ -35,7 +35,7 @@ def converted():
 
 def admissions(engine, seq) -> tuple[Admission, Admission]:
     sparse = engine.runner.sparse
-    rpf = rpf_admission(seq.request_id, seq, seq.sparse, sparse.kv, sparse.Hkv)
+    rpf = rpf_admission(seq.request_id, seq, seq.sparse, sparse.kv, sparse.Hkv, sparse.step)
     full = full_admission(seq.request_id, seq, sparse.host.extent_items(seq.host_extent))
     return rpf, full
 

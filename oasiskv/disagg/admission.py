@@ -35,6 +35,7 @@ class Admission:
     num_cached: int  # tokens whose KV exists (the prompt)
     block_size: int
     draft: int | None  # the draft chain's next token (rpf)
+    step: int = 0  # the prefill's sparse step count at conversion: the LRU stamps' origin
     # Where the full KV lives: the owner's transport metadata and the request's extent there.
     peer_metadata: str = ""
     lease_ttl_s: float = 0.0
@@ -57,7 +58,7 @@ class Admission:
 
     def to_bytes(self) -> bytes:
         meta = {k: getattr(self, k) for k in ("request_id", "mode", "prompt_token_ids", "first_token",
-                                               "num_cached", "block_size", "draft", "peer_metadata",
+                                               "num_cached", "block_size", "draft", "step", "peer_metadata",
                                                "lease_ttl_s", "remote_start", "remote_stride")}
         return save_tensors({k: t.contiguous() for k, t in self.tensors.items()},
                             metadata={"admission": json.dumps(meta)})
@@ -81,9 +82,9 @@ def held_positions(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.nonzero(blocks >= 0, as_tuple=True)
 
 
-def rpf_admission(request_id: str, seq, ws, kv: torch.Tensor, num_kv_heads: int) -> Admission:
+def rpf_admission(request_id: str, seq, ws, kv: torch.Tensor, num_kv_heads: int, step: int) -> Admission:
     """The RPF admission of a request just converted on the in-line path (`ws` its WorkingSet,
-    `kv` the engine's KV pool [L, slots, 2, bs, D])."""
+    `kv` the engine's KV pool [L, slots, 2, bs, D], `step` its sparse manager's step)."""
     bs = kv.shape[3]
     n = seq.num_cached_tokens
     nb = -(-n // bs)
@@ -93,7 +94,7 @@ def rpf_admission(request_id: str, seq, ws, kv: torch.Tensor, num_kv_heads: int)
     tensors = {"blocks": ws.blocks.clone(), "last_selected": ws.last_selected.clone(),
                "kmin": ws.kmin[:, :nb].cpu(), "kmax": ws.kmax[:, :nb].cpu(), "items": items}
     return Admission(request_id, "rpf", list(seq.prompt_token_ids), seq.last_token_id, n, bs,
-                     ws.draft, remote_start=ws.extent.start, remote_stride=ws.extent.max_blocks,
+                     ws.draft, step, remote_start=ws.extent.start, remote_stride=ws.extent.max_blocks,
                      tensors=tensors)
 
 
