@@ -1,30 +1,35 @@
-"""A disaggregated request decoded end to end on two engines in this process (the default
-model, a 4K-token prompt, K = 32, the in-line path): the prefill engine converts it and serves
-its host pool over the socket transport; the decode engine admits the RPF admission and reads
-the rest on demand. With strict reads its greedy tokens equal the prefill engine's own sparse
-decode of the same request (colocated); without, they arrive a step later and the decode side
-still holds only a fraction of the full KV."""
+"""A disaggregated request end to end on two engines in this process (the default model, a
+4K-token prompt, K = 32, the in-line path). The prefill engine converts it and hands it over:
+its admission, and its host extent leased and served over the socket transport. The decode
+engine admits it and reads the rest on demand. With strict reads its greedy tokens equal the
+prefill engine's own sparse decode of the request (colocated); without, blocks arrive a step
+later, in one read per step."""
 from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
+import torch
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.disagg.admission import Admission, full_admission, rpf_admission
+from oasiskv.disagg.admission import Admission, admit_rpf, full_admission, held_positions
 from oasiskv.disagg.decode_side import RemoteSource, admit
+from oasiskv.disagg.leases import LeaseTable
 from oasiskv.disagg.local_items import LocalItems
+from oasiskv.disagg.prefill_side import hand_over
 from oasiskv.disagg.remote_reads import RemoteReads
 from oasiskv.disagg.socket_transport import SocketTransport
 
-PROMPT_TOKENS, TOP_K, NEW_TOKENS = 4000, 32, 24
+PROMPT_TOKENS, TOP_K, NEW_TOKENS = 4000, 32, 8
 CONFIG = dict(max_model_len=4200, sparse=True, top_k_blocks=TOP_K, sparse_threshold=2048, host_kv_gb=0.5)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def prefill():
-    """The prefill engine with one converted request, its admissions, and its own tokens."""
+    """The prefill engine's hand-over of one request, both admissions, its host pool served,
+    and the tokens it decodes itself (colocated) after the hand-over."""
     llm = LLM(**CONFIG)
     engine, sparse = llm.engine, llm.engine.runner.sparse
     ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:PROMPT_TOKENS]
@@ -32,64 +37,119 @@ def prefill():
     seq = engine.seqs[rid]
     while seq.sparse is None:
         engine.step()
-    rpf = rpf_admission(rid, seq, seq.sparse, sparse.kv, sparse.Hkv, sparse.step)
-    full = full_admission(rid, seq, sparse.host.extent_items(seq.host_extent))
+    extent = seq.host_extent
+    full = full_admission(rid, seq, sparse.host.extent_items(extent))
+    leases = LeaseTable(sparse.host.free)
+    rpf = hand_over(sparse, seq, leases, "decode-0")
+    while not seq.is_finished:  # colocated: the same request decoded where it was prefilled
+        engine.step()
+    assert sparse.host.extent(rid) is extent  # finished, and still held for the lease
     owner = SocketTransport()
     owner.register(sparse.host.items)
     owner.serve()
-    yield engine, seq, Admission.from_bytes(rpf.to_bytes()), full, owner
+    yield dict(engine=engine, extent=extent, rpf=Admission.from_bytes(rpf.to_bytes()), full=full,
+               owner=owner, colocated=list(seq.output_token_ids))
     owner.close()
+    assert leases.release(rid) and leases.reap() == [rid]
+    assert sparse.host.bytes_used == 0
 
 
 @pytest.fixture(scope="module")
 def decode():
-    llm = LLM(**CONFIG)
-    return llm.engine
+    return LLM(**CONFIG).engine
 
 
-def run_decode(engine, adm: Admission, owner: SocketTransport, strict: bool):
+def decode_side(engine, strict: bool) -> RemoteReads:
     sparse = engine.runner.sparse
-    store = LocalItems(20_000, sparse.block_size, sparse.D, sparse.dtype)
+    store = LocalItems(24_000,  # every item of the prompt: 30 x 250 x 3
+                        sparse.block_size, sparse.D, sparse.dtype)
     reader = SocketTransport()
     reader.register(store.items)
     reads = RemoteReads(reader, store)
     sparse.remote = RemoteSource(reads, sparse.L, strict=strict)
-    peer = reader.add_peer(owner.metadata())
-    seq = admit(engine, adm, peer, GREEDY)
-    held_at_admission = store.bytes_used
+    return reads
+
+
+def test_rpf_admission_is_a_quarter_of_full_or_less(prefill):
+    rpf, full = prefill["rpf"], prefill["full"]
+    nb = -(-PROMPT_TOKENS // rpf.block_size)
+    assert rpf.tensors["kmin"].shape[1] == nb and full.tensors["kv"].shape[1] == nb
+    ratio = rpf.tensor_bytes() / full.tensor_bytes()
+    wire = len(rpf.to_bytes()) / len(full.to_bytes())
+    print(f"admission bytes: rpf {rpf.tensor_bytes()} full {full.tensor_bytes()} ratio {ratio:.3f} (wire {wire:.3f})")
+    assert ratio <= 0.25 and wire <= 0.25
+    # The working set's KV (read from the GPU slots) equals the host copy of its blocks.
+    blocks = rpf.tensors["blocks"]
+    layer, head, pos = held_positions(blocks)
+    block = blocks[layer, head, pos].long()
+    assert torch.equal(rpf.tensors["items"], full.tensors["kv"][layer, block, head])
+    assert rpf.first_token == prefill["colocated"][0] and rpf.num_cached == PROMPT_TOKENS
+    back = Admission.from_bytes(full.to_bytes())
+    assert torch.equal(back.tensors["kv"], full.tensors["kv"]) and back.mode == "full"
+
+
+def test_every_block_read_once_byte_for_byte(prefill, decode):
+    """Placed, then every other complete block asked for: one read, each item once, and the
+    decode side holds the prefill's bytes."""
+    reads = decode_side(decode, strict=True)
+    rpf, extent = prefill["rpf"], prefill["extent"]
+    try:
+        peer = reads.transport.add_peer(prefill["owner"].metadata())
+        state = admit_rpf(rpf, reads, peer, extent.max_blocks)
+        placed = reads.store.bytes_used
+        assert placed == rpf.tensors["items"].numel() * rpf.tensors["items"].element_size()
+        L, _, H = state.remote.where.shape
+        complete = PROMPT_TOKENS // rpf.block_size
+        for layer in range(L):
+            reads.want(state.remote, layer, np.arange(extent.max_blocks)[:, None], np.arange(H)[None, :])
+        reads.flush()
+        reads.wait()
+        assert reads.totals.reads == 1
+        assert (state.remote.where[:, :complete] >= 0).all()
+        assert reads.totals.bytes_read == reads.store.bytes_used - placed  # the placed were not read
+        host = prefill["engine"].runner.sparse.host
+        src = host.extent_items(extent)[:, :complete]
+        where = torch.from_numpy(state.remote.where[:, :complete].reshape(-1))
+        assert torch.equal(reads.store.items[where].view(src.shape), src)
+    finally:
+        reads.release(state.remote)
+        reads.poll()
+        reads.transport.close()
+        assert reads.store.bytes_used == 0
+
+
+def run_decode(engine, adm: Admission, owner: SocketTransport, strict: bool):
+    reads = decode_side(engine, strict)
+    peer = reads.transport.add_peer(owner.metadata())
+    admit(engine, adm, peer, GREEDY)
     out, peak = None, 0
     while out is None:
         for o in engine.step():
-            if o.finished:
-                out = o
-        peak = max(peak, store.bytes_used)
+            out = o if o.finished else out
+        peak = max(peak, reads.store.bytes_used)
     reads.poll()
-    reader.close()
-    assert store.bytes_used == 0, "the decode side's host items must all be back"
-    return out, reads.totals, held_at_admission, peak, seq
+    reads.transport.close()
+    assert reads.store.bytes_used == 0, "the decode side's host items must all be back"
+    return out, reads.totals, peak
 
 
 def test_strict_rpf_equals_colocated_sparse_decode(prefill, decode):
-    engine, seq, adm, full, owner = prefill
-    out, totals, held, peak, _ = run_decode(decode, adm, owner, strict=True)
-    while not seq.is_finished:  # the same request, decoded where it was prefilled
-        engine.step()
-    assert out.token_ids == seq.output_token_ids
+    adm, full = prefill["rpf"], prefill["full"]
+    out, totals, peak = run_decode(decode, adm, prefill["owner"], strict=True)
+    assert out.token_ids == prefill["colocated"]
     assert totals.bytes_read > 0  # the working set moved: blocks were read remotely
-    full_bytes = full.tensor_bytes()
-    print(f"strict: admission {adm.tensor_bytes()} B (full {full_bytes}), remote reads {totals.reads} "
+    print(f"strict: admission {adm.tensor_bytes()} B (full {full.tensor_bytes()} B), {totals.reads} reads "
           f"({totals.bytes_read} B, {totals.extents} extents), decode-side host peak {peak} B")
-    assert adm.tensor_bytes() <= full_bytes / 4
-    assert peak < full_bytes
+    assert peak < full.tensor_bytes()
 
 
 def test_lazy_reads_arrive_next_step_batched(prefill, decode):
-    _, _, adm, full, owner = prefill
+    adm, full = prefill["rpf"], prefill["full"]
     adm.request_id = "lazy"
-    out, totals, held, peak, _ = run_decode(decode, adm, owner, strict=False)
+    out, totals, peak = run_decode(decode, adm, prefill["owner"], strict=False)
     assert len(out.token_ids) == NEW_TOKENS
     steps = NEW_TOKENS - 1
     assert 0 < totals.reads <= steps  # at most one read per step (one peer)
-    print(f"lazy: remote reads {totals.reads} over {steps} steps ({totals.bytes_read} B), "
-          f"decode-side host peak {peak} B of full {full.tensor_bytes()} B")
+    print(f"lazy: {totals.reads} reads over {steps} steps ({totals.bytes_read} B), decode-side host peak "
+          f"{peak} B (full {full.tensor_bytes()} B)")
     assert peak < full.tensor_bytes()

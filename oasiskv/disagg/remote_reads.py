@@ -79,6 +79,7 @@ class ReadTotals:
     reads: int = 0  # batched reads posted
     extents: int = 0  # extents in them, after merging
     items_over_budget: int = 0  # wanted items left for a later step by the byte budget
+    items_no_room: int = 0  # wanted items left for a later step: the local arena was full
     failed_requests: int = 0
 
 
@@ -136,6 +137,7 @@ class RemoteReads:
         n = sum(len(flat) for _, flat in parts)
         local = self.store.allocate(n)
         if local is None:  # the local arena is full: leave them remote, ask again later
+            self.totals.items_no_room += n
             for req, flat in parts:
                 req.where.reshape(-1)[flat] = REMOTE
             return 0
