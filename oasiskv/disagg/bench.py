@@ -22,7 +22,7 @@ import torch
 
 
 def pattern(n: int) -> torch.Tensor:
-    i = torch.arange(n, dtype=torch.int64)
+    i = torch.arange(n, dtype=torch.int32)
     return ((i * 7 + i // 251) % 256).to(torch.uint8)
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reads", type=int, default=4096, help="extents per batched read")
     ap.add_argument("--item-kib", type=int, default=8)
     ap.add_argument("--run", type=int, default=1, help="adjacent items per extent")
-    ap.add_argument("--region-mib", type=int, default=512, help="the owner's region")
+    ap.add_argument("--region-mib", type=int, default=128, help="the owner's region")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--owner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
