@@ -148,3 +148,32 @@ def test_dead_peer_fails_only_its_requests(side):
     finally:
         reads.release(a), reads.release(b)
         o2.close()
+
+
+def test_local_items_runs():
+    store = LocalItems(10, BS, D, torch.bfloat16)
+    a = store.allocate(4)
+    b = store.allocate(3)
+    assert a.tolist() == [0, 1, 2, 3] and b.tolist() == [4, 5, 6]
+    store.free(a[[1, 2]])
+    assert store.allocate(4).tolist() == [1, 2, 7, 8]  # the lowest runs first
+    assert store.allocate(2) is None and store.items_free == 1  # nothing taken when short
+    with pytest.raises(ValueError):
+        store.free(np.array([9]))  # never handed out: free already
+    store.free(np.array([0, 1, 2, 3, 4, 5, 6, 7, 8]))
+    assert store.bytes_used == 0 and store.allocate(10) is not None
+
+
+def test_no_local_room_leaves_items_remote(side):
+    reads, store = side
+    o, _ = owner(7)
+    try:
+        peer = reads.transport.add_peer(o.metadata())
+        a = RemoteRequest.new("a", peer, 0, 200, 200, L, 200, H)
+        reads.admit(a)
+        reads.want(a, np.arange(L)[:, None, None], np.arange(200)[None, :, None], np.arange(H))
+        assert reads.flush() == 0 and reads.totals.items_no_room == L * 200 * H  # 800 > 256
+        assert (a.where == REMOTE).all() and reads.reads_in_flight == 0
+    finally:
+        reads.release(a)
+        o.close()

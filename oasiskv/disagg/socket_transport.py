@@ -130,6 +130,7 @@ class SocketTransport(Transport):
         self._serving: list[socket.socket] = []  # the owner's accepted connections
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     # ---- owner side -----------------------------------------------------------------
     def _register(self, region: torch.Tensor) -> None:
@@ -145,13 +146,17 @@ class SocketTransport(Transport):
                            "size": self.region.numel()}).encode()
 
     def _accept(self) -> None:
+        listener = self._listener
         while True:
             try:
-                conn, _ = self._listener.accept()
-            except OSError:  # closed
+                conn, _ = listener.accept()
+            except OSError:  # shut down by close()
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
+                if self._closed:  # accepted as close() ran: never serve it
+                    conn.close()
+                    return
                 self._serving.append(conn)
             threading.Thread(target=self._serve, args=(conn,), name="block-serve", daemon=True).start()
 
@@ -227,7 +232,13 @@ class SocketTransport(Transport):
     def close(self) -> None:
         for name in list(self._peers):
             self.remove_peer(name)
+        with self._lock:
+            self._closed = True
         if self._listener is not None:
+            try:  # wakes the accept thread (a close alone leaves it blocked on Linux)
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         with self._lock:
