@@ -3,10 +3,11 @@
 its admission, and its host extent leased and served over the socket transport. The decode
 engine admits it and reads the rest on demand. With strict reads its greedy tokens equal the
 prefill engine's own sparse decode of the request (colocated); without, blocks arrive a step
-later, in one read per step."""
+later, in one read per peer per step, and a dead peer fails only its own request."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.admission import Admission, admit_rpf, full_admission, held_positions
-from oasiskv.disagg.decode_side import RemoteSource, admit
+from oasiskv.disagg.decode_side import RemoteSource, admit, fail_requests
 from oasiskv.disagg.leases import LeaseTable
 from oasiskv.disagg.local_items import LocalItems
 from oasiskv.disagg.prefill_side import hand_over
@@ -143,13 +144,38 @@ def test_strict_rpf_equals_colocated_sparse_decode(prefill, decode):
     assert peak < full.tensor_bytes()
 
 
-def test_lazy_reads_arrive_next_step_batched(prefill, decode):
+def test_lazy_reads_and_a_prefill_peer_that_dies(prefill, decode):
+    """Two requests, each read from its own peer (two servers of the prefill's host pool): reads
+    arrive a step later, one per peer per step. The first peer dies after two steps: its
+    request ends with an error within seconds, the other decodes to the end."""
     adm, full = prefill["rpf"], prefill["full"]
-    adm.request_id = "lazy"
-    out, totals, peak = run_decode(decode, adm, prefill["owner"], strict=False)
-    assert len(out.token_ids) == NEW_TOKENS
-    steps = NEW_TOKENS - 1
-    assert 0 < totals.reads <= steps  # at most one read per step (one peer)
-    print(f"lazy: {totals.reads} reads over {steps} steps ({totals.bytes_read} B), decode-side host peak "
-          f"{peak} B (full {full.tensor_bytes()} B)")
-    assert peak < full.tensor_bytes()
+    doomed = SocketTransport()
+    doomed.register(prefill["engine"].runner.sparse.host.items)
+    doomed.serve()
+    reads = decode_side(decode, strict=False)
+    seqs = {}
+    for rid, owner in (("dies", doomed), ("lives", prefill["owner"])):
+        adm.request_id = rid
+        seqs[rid] = admit(decode, adm, reads.transport.add_peer(owner.metadata()), GREEDY)
+    outs, peak, steps = {}, 0, 0
+    while len(outs) < 2:
+        if steps == 2:
+            doomed.close()
+            killed = time.monotonic()
+        for o in decode.step() + fail_requests(decode, reads):
+            if o.finished:
+                outs[o.request_id] = o
+                if o.request_id == "dies":
+                    failed_after = time.monotonic() - killed
+        steps += 1
+        peak = max(peak, reads.store.bytes_used)
+    reads.poll()
+    reads.transport.close()
+    assert outs["dies"].finish_reason == "error" and "prefill" in outs["dies"].error
+    assert failed_after < 5.0
+    assert outs["lives"].finish_reason == "length" and len(outs["lives"].token_ids) == NEW_TOKENS
+    assert 0 < reads.totals.reads <= 2 * (NEW_TOKENS - 1)  # at most one read per peer per step
+    assert reads.store.bytes_used == 0, "the decode side's host items must all be back"
+    print(f"lazy: {reads.totals.reads} reads over {NEW_TOKENS - 1} steps ({reads.totals.bytes_read} B), "
+          f"decode-side host peak {peak} B for two requests (full {full.tensor_bytes()} B each); "
+          f"the dead peer's request failed {failed_after:.2f} s after")

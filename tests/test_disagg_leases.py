@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasiskv.disagg.leases import LeaseTable
+from oasiskv.disagg.leases import LeaseKeeper, LeaseTable
 from oasiskv.sparse.host_pool import HostKVPool
 
 
@@ -62,3 +62,42 @@ def test_expiry_then_grace_before_reuse(pool):
     pool.free("c")
     assert leases.release_peer("decode-0") == 1
     assert leases.reap() == ["b"] and leases.held() == 0
+
+
+def test_keeper_renews_with_one_heartbeat_per_peer(pool):
+    """The decode side's keeper against two owners' tables: its leases outlive many TTLs with
+    one batched heartbeat per peer; an owner that cannot be reached loses all of its leases;
+    a lease the owner voided comes back as lost."""
+    clock = Clock()
+    owners = {p: LeaseTable(pool.free, ttl_s=3, grace_s=1, clock=clock) for p in ("p0", "p1")}
+    sent, unreachable = [], set()
+
+    def send(peer: str, ids: list[str]) -> list[str]:
+        sent.append((peer, sorted(ids)))
+        if peer in unreachable:
+            raise ConnectionError("unreachable")
+        return owners[peer].heartbeat("decode-0", ids)
+
+    keeper = LeaseKeeper(send, clock)
+    for peer, rid in (("p0", "a"), ("p0", "b"), ("p1", "c")):
+        pool.allocate(rid, 1, 4, 2)
+        keeper.hold(peer, rid, owners[peer].grant(rid, "decode-0"))
+    for _ in range(20):  # 10 s: three TTLs of 3 s
+        clock.now += 0.5
+        assert keeper.beat() == {}
+    assert all(owners[p].reap() == [] for p in owners) and keeper.held() == 3
+    assert ("p0", ["a", "b"]) in sent and all(len(ids) <= 2 for _, ids in sent)
+    assert len(sent) == keeper.heartbeats <= 2 * 10  # one per peer per TTL / 3 (1 s)
+    owners["p0"].release("b"), keeper.drop("b")
+    unreachable.add("p1")
+    clock.now += 1
+    assert keeper.beat() == {"p1": ["c"]}
+    for _ in range(9):  # c lapses at p1 (TTL 3 + grace 1); a is renewed at p0
+        clock.now += 0.5
+        assert keeper.beat() == {}
+    assert owners["p1"].reap() == ["c"] and owners["p0"].reap() == ["b"]
+    owners["p0"]._leases["a"].expires = clock.now - 1  # p0 voids a (e.g. a lost heartbeat)
+    clock.now += 1
+    assert keeper.beat() == {"p0": ["a"]} and keeper.held() == 0
+    clock.now += 2
+    assert owners["p0"].reap() == ["a"]

@@ -11,6 +11,8 @@ colocated, which makes the tokens equal (tests).
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -104,3 +106,17 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence
     engine.seqs[seq.request_id] = seq
     engine.scheduler.running.append(seq)
     return seq
+
+
+def fail_requests(engine, reads: RemoteReads) -> list:
+    """End the requests whose prefill peer failed (`RemoteReads.failed`) with an error output
+    each (finish reason "error"); their pages and items go back. Call after every step."""
+    outputs = []
+    failed, reads.failed = reads.failed, []
+    for req in failed:
+        seq = engine.seqs.get(req.request_id)
+        if seq is None or seq.is_finished:
+            continue
+        seq.error = f"the prefill instance holding this request's KV failed: {req.error}"
+        outputs.append(engine._fail(seq, time.perf_counter()))
+    return outputs

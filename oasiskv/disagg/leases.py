@@ -12,7 +12,8 @@ returns whatever is there), so the owner frees an extent only when no reader can
              extent goes `grace_s` later, once a read posted just before expiry has timed out.
 
 Frees happen only in `reap()`, called by the thread that owns the host pool; the other methods
-only mark, under a lock, so an HTTP handler may call them.
+only mark, under a lock, so an HTTP handler may call them. The reader's side of the protocol is
+`LeaseKeeper`: it sends the batched heartbeats and says which leases were lost.
 """
 from __future__ import annotations
 
@@ -107,3 +108,53 @@ class LeaseTable:
     def holds(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._leases
+
+
+class LeaseKeeper:
+    """The reader's (decode side's) leases: one batched heartbeat per owner peer, every
+    HEARTBEAT_FRACTION of the shortest TTL it holds there. `send(peer, request_ids)` carries a
+    heartbeat and returns the ids the owner no longer holds; if it raises, every lease of that
+    peer counts as lost (the owner is unreachable, so its leases will lapse)."""
+
+    def __init__(self, send: Callable[[str, list[str]], list[str]], clock: Callable[[], float] = time.monotonic):
+        self.send, self.clock = send, clock
+        self._held: dict[str, dict[str, float]] = {}  # peer -> {request_id: ttl_s}
+        self._due: dict[str, float] = {}  # peer -> when its next heartbeat is due
+        self.heartbeats = 0
+
+    def hold(self, peer: str, request_id: str, ttl_s: float) -> None:
+        self._held.setdefault(peer, {})[request_id] = ttl_s
+        due = self.clock() + ttl_s * HEARTBEAT_FRACTION
+        self._due[peer] = min(self._due.get(peer, due), due)
+
+    def drop(self, request_id: str) -> None:
+        """Stop renewing (the request is done: the caller releases it at the owner)."""
+        for peer, held in list(self._held.items()):
+            if held.pop(request_id, None) is not None and not held:
+                del self._held[peer], self._due[peer]
+
+    def beat(self) -> dict[str, list[str]]:
+        """Send the heartbeats that are due; returns {peer: lost request ids}, which stop being
+        renewed here (their requests must fail)."""
+        now, lost = self.clock(), {}
+        for peer, held in list(self._held.items()):
+            if self._due[peer] > now:
+                continue
+            ids = list(held)
+            self.heartbeats += 1
+            try:
+                gone = self.send(peer, ids)
+            except Exception:  # noqa: BLE001 - an unreachable owner: its leases lapse
+                gone = ids
+            for rid in gone:
+                held.pop(rid, None)
+            if gone:
+                lost[peer] = list(gone)
+            if held:
+                self._due[peer] = now + min(held.values()) * HEARTBEAT_FRACTION
+            else:
+                del self._held[peer], self._due[peer]
+        return lost
+
+    def held(self) -> int:
+        return sum(len(h) for h in self._held.values())
