@@ -159,8 +159,8 @@ class NixlTransport(Transport):
         if "NotFound" in type(e).__name__:
             return ReadRefused(peer, f"outside the peer's registered memory ({type(e).__name__})")
         error = PeerDisconnected(peer, f"{type(e).__name__}: {e}")
-        if peer in self._peers:
-            self._peers[peer]["error"] = error if _is_disconnect(e) else None
+        if peer in self._peers and _is_disconnect(e):  # the peer is gone: later reads fail at once
+            self._peers[peer]["error"] = error
         return error
 
     def _release(self, pending: PendingRead) -> None:
