@@ -166,16 +166,19 @@ def test_lazy_reads_and_a_prefill_peer_that_dies(prefill, decode):
             if o.finished:
                 outs[o.request_id] = o
                 if o.request_id == "dies":
-                    failed_after = time.monotonic() - killed
+                    failed_after, failed_steps = time.monotonic() - killed, steps + 1 - 2
         steps += 1
         peak = max(peak, reads.store.bytes_used)
     reads.poll()
     reads.transport.close()
     assert outs["dies"].finish_reason == "error" and "prefill" in outs["dies"].error
-    assert failed_after < 5.0
+    # The read posted at the end of the first step after the kill fails at once and is seen in
+    # the next step: on an idle host a step here takes about a second; the transport's own
+    # bound (5 s) is checked in test_disagg_transport.py.
+    assert failed_steps <= 2
     assert outs["lives"].finish_reason == "length" and len(outs["lives"].token_ids) == NEW_TOKENS
     assert 0 < reads.totals.reads <= 2 * (NEW_TOKENS - 1)  # at most one read per peer per step
     assert reads.store.bytes_used == 0, "the decode side's host items must all be back"
     print(f"lazy: {reads.totals.reads} reads over {NEW_TOKENS - 1} steps ({reads.totals.bytes_read} B), "
           f"decode-side host peak {peak} B for two requests (full {full.tensor_bytes()} B each); "
-          f"the dead peer's request failed {failed_after:.2f} s after")
+          f"the dead peer's request failed {failed_steps} steps ({failed_after:.2f} s) after")

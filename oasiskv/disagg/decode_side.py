@@ -38,8 +38,7 @@ class RemoteSource:
     def available(self, ws: WorkingSet, layer: int, blocks: torch.Tensor) -> torch.Tensor:
         """The predicted blocks [Hkv, K] (-1: none) with those not local yet masked to -1 (strict:
         read and waited for first)."""
-        if layer == 0:
-            self.reads.poll()
+        self.reads.poll()  # arrived blocks count from the next step; failures are seen at once
         b = blocks.cpu()
         heads, cols = torch.nonzero(b >= 0, as_tuple=True)
         want = b[heads, cols].long().numpy()
