@@ -5,7 +5,8 @@ working set's blocks (`SparseManager.remote`; the in-line path).
 Each step, the predict stage's top-K blocks of every (layer, KV head) are asked of the remote
 table (`RemoteReads.want`). Blocks not local yet are left out of this step's prediction, so the
 working set keeps what it holds, and are read in one batch per prefill peer posted after the
-last layer, under the byte budget; they arrive for the next step (`poll` at layer 0). With
+last layer, under the byte budget. Reads are polled at every layer: a block counts from the
+first layer that asks for it after it lands, the next step at the latest. With
 `strict`, each layer waits for its blocks instead: the working set evolves exactly as it does
 colocated, which makes the tokens equal (tests).
 """
