@@ -5,7 +5,8 @@ extent there, `[layer][block][head]` items from `remote_start`. The decode side 
 per request, `where[layer, block, head]`: the local item holding it (`LocalItems`), REMOTE, or
 IN_FLIGHT. Each step the sparse stages `want` the items they predict; `flush` turns everything
 wanted since the last flush into one batched read per prefill peer, merged across requests and
-layers, under a byte budget (best first: the order the items were wanted in), with adjacent
+layers, under a byte budget (kept in the order the items were wanted: the engine asks layer by
+layer, each head's blocks best first), with adjacent
 items merged into one extent; `poll` marks the items of completed reads local, so they are
 eligible from the next step on. An item is read at most once: local and in-flight items are
 never asked again. A peer's failed read fails every request of that peer (`failed`), whose
@@ -107,7 +108,7 @@ class RemoteReads:
         return state >= 0
 
     def flush(self, budget_bytes: int | None = None) -> int:
-        """Post one read per peer for the items wanted since the last flush, best first, at most
+        """Post one read per peer for the items wanted since the last flush, in the order asked, at most
         `budget_bytes` in all; returns the bytes posted. Items over the budget are dropped (the
         stages ask again next step if they still want them)."""
         wanted, self._wanted = self._wanted, []
