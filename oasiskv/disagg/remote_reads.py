@@ -5,10 +5,9 @@ extent there, `[layer][block][head]` items from `remote_start`. The decode side 
 per request, `where[layer, block, head]`: the local item holding it (`LocalItems`), REMOTE, or
 IN_FLIGHT. Each step the sparse stages `want` the items they predict; `flush` turns everything
 wanted since the last flush into one batched read per prefill peer, merged across requests and
-layers, under a byte budget (kept in the order the items were wanted: the engine asks layer by
-layer, each head's blocks best first), with adjacent
-items merged into one extent; `poll` marks the items of completed reads local, so they are
-eligible from the next step on. An item is read at most once: local and in-flight items are
+layers, under a byte budget that keeps items in the order they were wanted (the engine asks
+layer by layer, each head's blocks best first), with adjacent items merged into one extent;
+`poll` marks the items of completed reads local, and they count from then on. An item is read at most once: local and in-flight items are
 never asked again. A peer's failed read fails every request of that peer (`failed`), whose
 items are freed once no read can still write into them.
 """
