@@ -39,7 +39,7 @@ def prefill():
     while seq.sparse is None:
         engine.step()
     extent = seq.host_extent
-    full = full_admission(rid, seq, sparse.host.extent_items(extent))
+    full = full_admission(rid, seq, sparse.host.extent_items(extent), sparse.step)
     leases = LeaseTable(sparse.host.free)
     rpf = hand_over(sparse, seq, leases, "decode-0")
     while not seq.is_finished:  # colocated: the same request decoded where it was prefilled
@@ -48,7 +48,8 @@ def prefill():
     owner = SocketTransport()
     owner.register(sparse.host.items)
     owner.serve()
-    yield dict(engine=engine, extent=extent, rpf=Admission.from_bytes(rpf.to_bytes()), full=full,
+    yield dict(engine=engine, extent=extent, rpf=Admission.from_bytes(rpf.to_bytes()),
+               full=Admission.from_bytes(full.to_bytes()),
                owner=owner, colocated=list(seq.output_token_ids))
     owner.close()
     assert leases.release(rid) and leases.reap() == [rid]
@@ -75,6 +76,8 @@ def test_rpf_admission_is_a_quarter_of_full_or_less(prefill):
     rpf, full = prefill["rpf"], prefill["full"]
     nb = -(-PROMPT_TOKENS // rpf.block_size)
     assert rpf.tensors["kmin"].shape[1] == nb and full.tensors["kv"].shape[1] == nb
+    kv_bytes = full.tensors["kv"].numel() * full.tensors["kv"].element_size()
+    assert full.tensor_bytes() - kv_bytes < kv_bytes / 1000  # the working set's choice: a few KiB
     ratio = rpf.tensor_bytes() / full.tensor_bytes()
     wire = len(rpf.to_bytes()) / len(full.to_bytes())
     print(f"admission bytes: rpf {rpf.tensor_bytes()} full {full.tensor_bytes()} ratio {ratio:.3f} (wire {wire:.3f})")
@@ -85,8 +88,7 @@ def test_rpf_admission_is_a_quarter_of_full_or_less(prefill):
     block = blocks[layer, head, pos].long()
     assert torch.equal(rpf.tensors["items"], full.tensors["kv"][layer, block, head])
     assert rpf.first_token == prefill["colocated"][0] and rpf.num_cached == PROMPT_TOKENS
-    back = Admission.from_bytes(full.to_bytes())
-    assert torch.equal(back.tensors["kv"], full.tensors["kv"]) and back.mode == "full"
+    assert full.mode == "full" and full.first_token == rpf.first_token and full.draft == rpf.draft
 
 
 def test_every_block_read_once_byte_for_byte(prefill, decode):
@@ -142,6 +144,17 @@ def test_strict_rpf_equals_colocated_sparse_decode(prefill, decode):
     print(f"strict: admission {adm.tensor_bytes()} B (full {full.tensor_bytes()} B), {totals.reads} reads "
           f"({totals.bytes_read} B, {totals.extents} extents), decode-side host peak {peak} B")
     assert peak < full.tensor_bytes()
+
+
+def test_full_transfer_equals_colocated_and_reads_nothing(prefill, decode):
+    """The baseline on the same code: the whole KV at admission, no remote read, the same tokens."""
+    adm, full = prefill["full"], prefill["full"]
+    adm.request_id = "full"
+    out, totals, peak = run_decode(decode, adm, prefill["owner"], strict=False)
+    assert out.token_ids == prefill["colocated"]
+    assert totals.reads == 0
+    print(f"full: admission {adm.tensor_bytes()} B, decode-side host peak {peak} B")
+    assert peak >= full.tensors["kv"].numel() * full.tensors["kv"].element_size()
 
 
 def test_lazy_reads_and_a_prefill_peer_that_dies(prefill, decode):

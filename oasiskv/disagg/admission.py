@@ -22,6 +22,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from oasiskv.disagg.remote_reads import RemoteReads, RemoteRequest
+from oasiskv.sparse.summaries import write_block_minmax
 
 TRANSFER_MODES = ("rpf", "full")
 
@@ -46,7 +47,7 @@ class Admission:
     #      "last_selected" [L, Hkv, K] int64, "kmin"/"kmax" [L, nb, Hkv, D] (summary dtype),
     #      "items" [n, 2, bs, D]: the KV of every held (layer, head, position), in the order of
     #      `held_positions(blocks)`.
-    # full: "kv" [L, nb, Hkv, 2, bs, D].
+    # full: "kv" [L, nb, Hkv, 2, bs, D], "blocks", "last_selected".
 
     @property
     def num_blocks(self) -> int:
@@ -98,14 +99,19 @@ def rpf_admission(request_id: str, seq, ws, kv: torch.Tensor, num_kv_heads: int,
                      tensors=tensors)
 
 
-def full_admission(request_id: str, seq, host_items: torch.Tensor) -> Admission:
+def full_admission(request_id: str, seq, host_items: torch.Tensor, step: int) -> Admission:
     """The full-transfer admission: every block's KV, as the host extent holds it
-    (`HostKVPool.extent_items`, [L, max_blocks, Hkv, 2, bs, D])."""
+    (`HostKVPool.extent_items`, [L, max_blocks, Hkv, 2, bs, D]), and the working set's block
+    choice (a few KiB), so the decode side starts from the same working set as RPF; the decode
+    side builds the summaries from the keys."""
     bs = host_items.shape[4]
     n = seq.num_cached_tokens
     nb = -(-n // bs)
-    return Admission(request_id, "full", list(seq.prompt_token_ids), seq.last_token_id, n, bs, None,
-                     tensors={"kv": host_items[:, :nb].clone()})
+    ws = seq.sparse
+    tensors = {"kv": host_items[:, :nb].clone(), "blocks": ws.blocks.clone(),
+               "last_selected": ws.last_selected.clone()}
+    return Admission(request_id, "full", list(seq.prompt_token_ids), seq.last_token_id, n, bs, ws.draft,
+                     step, tensors=tensors)
 
 
 @dataclass
@@ -118,6 +124,30 @@ class AdmittedState:
     kmin: torch.Tensor  # [L, max_blocks, Hkv, D]
     kmax: torch.Tensor
     items: torch.Tensor  # [n, 2, bs, D] the working set's KV, in `held_positions` order
+
+
+def admit_full(adm: Admission, reads: RemoteReads, max_blocks: int,
+               summary_dtype: torch.dtype) -> AdmittedState | None:
+    """Place a full admission on the decode side: every block's items local (nothing is ever
+    read remotely), the summaries built from its keys as the conversion builds them."""
+    t = adm.tensors
+    kv, blocks = t["kv"], t["blocks"]
+    L, nb, H, _, bs, D = kv.shape
+    remote = RemoteRequest.new(adm.request_id, "", 0, 0, 0, L, max_blocks, H)
+    local = reads.place(remote, np.arange(L)[:, None, None], np.arange(nb)[None, :, None],
+                        np.arange(H)[None, None, :])
+    if local is None:
+        return None
+    reads.store.items[torch.from_numpy(local.reshape(-1))] = kv.reshape(-1, 2, bs, D)
+    reads.admit(remote)
+    kmin = torch.empty((L, max_blocks, H, D), dtype=summary_dtype)
+    kmax = torch.empty_like(kmin)
+    for layer in range(L):
+        keys = kv[layer, :, :, 0].transpose(1, 2).reshape(nb * bs, H, D)[:adm.num_cached]
+        write_block_minmax(kmin[layer], kmax[layer], keys, bs)
+    layer, head, pos = held_positions(blocks)
+    items = kv[layer, blocks[layer, head, pos].long(), head]
+    return AdmittedState(remote, blocks.clone(), t["last_selected"].clone(), kmin, kmax, items)
 
 
 def admit_rpf(adm: Admission, reads: RemoteReads, peer: str, max_blocks: int) -> AdmittedState | None:

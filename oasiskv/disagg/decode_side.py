@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from oasiskv.disagg.admission import Admission, admit_rpf, held_positions
+from oasiskv.disagg.admission import Admission, admit_full, admit_rpf, held_positions
 from oasiskv.disagg.remote_reads import RemoteReads
 from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.sampling_params import SamplingParams
@@ -76,9 +76,10 @@ class RemoteSource:
 
 
 def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence | None:
-    """Start decoding an RPF admission in `engine` (a decode instance whose sparse manager has
-    a RemoteSource): its working set on the GPU, its summaries, its draft chain and first token,
-    as the prefill's conversion left them. None if pages or host items are short now."""
+    """Start decoding an admission in `engine` (a decode instance whose sparse manager has a
+    RemoteSource): its working set on the GPU, its summaries, its draft chain and first token,
+    as the prefill's conversion left them; `rpf` reads the other blocks from `peer` when asked,
+    `full` holds them all. None if pages or host items are short now."""
     m = engine.runner.sparse
     source: RemoteSource = m.remote
     P = m.cfg.working_set_blocks
@@ -88,7 +89,10 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence
     pages = engine.block_manager.take(P)
     if pages is None:
         return None
-    state = admit_rpf(adm, source.reads, peer, max_blocks)
+    if adm.mode == "full":
+        state = admit_full(adm, source.reads, max_blocks, m.summary_dtype)
+    else:
+        state = admit_rpf(adm, source.reads, peer, max_blocks)
     if state is None:
         engine.block_manager.give_back(pages)
         return None
