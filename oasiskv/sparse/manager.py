@@ -43,6 +43,7 @@ class TransferPlan:
     layer: int
     host_items: torch.Tensor  # [N] indices into the host arena
     gpu_slots: torch.Tensor  # [N] slots of the layer's KV pool
+    source: torch.Tensor | None = None  # the arena host_items index; None: the host pool's
 
 
 class SparseManager:
@@ -64,6 +65,10 @@ class SparseManager:
         # (oasiskv.eval.agreement) record predictions through them without touching the step.
         self.observers: list = []
         self.pipeline = None  # LookaheadPipeline, when the engine decodes sparse through it
+        # On a decode instance (oasiskv.disagg.decode_side.RemoteSource): where the blocks of
+        # working sets with `remote` set live; the in-line path asks it in predict, select,
+        # transfer, write_through and release.
+        self.remote = None
         # Every sparse decode step's figures, summed (served as counters on /metrics): steps,
         # foreground and stall seconds (pipeline only), bytes moved, the budget's bytes, hits and
         # predicted items.
@@ -92,6 +97,8 @@ class SparseManager:
     def release(self, seq) -> None:
         """The request is done: its pipeline row (counters kept in its stats) and host extent go."""
         self.leave_pipeline(seq)
+        if seq.sparse is not None and seq.sparse.remote is not None:
+            self.remote.release(seq.sparse)
         if getattr(seq, "host_extent", None) is not None:
             self.host.free(seq.request_id)
             seq.host_extent = None
@@ -211,7 +218,8 @@ class SparseManager:
                             torch.tensor([nb], device=self.device), self.G, self.cfg.top_k_blocks,
                             max_blocks=ws.kmin.shape[1], num_sink=self.cfg.sink_blocks,
                             window_start=torch.tensor([win], device=self.device))
-        return Prediction(ids[0], win, nb, scores[0])
+        blocks = ids[0] if ws.remote is None else self.remote.available(ws, layer, ids[0])
+        return Prediction(blocks, win, nb, scores[0])
 
     def select(self, ws: WorkingSet, layer: int, pred: Prediction, cap: int,
                row_cap: torch.Tensor | None = None) -> tuple[EvictionPlan, TransferPlan]:
@@ -223,15 +231,19 @@ class SparseManager:
         blocks = plan.admit_blocks[heads, cols].long()
         positions = plan.admit_slots[heads, cols].long() + self.cfg.sink_blocks
         pages = torch.tensor(ws.pages)[positions]
-        transfer = TransferPlan(layer, self.host.item_index(ws.extent, layer, blocks, heads),
-                                (pages * self.Hkv + heads).to(self.device))
+        gpu_slots = (pages * self.Hkv + heads).to(self.device)
+        if ws.remote is not None:
+            transfer = TransferPlan(layer, self.remote.item_index(ws, layer, blocks, heads), gpu_slots,
+                                    self.remote.items)
+        else:
+            transfer = TransferPlan(layer, self.host.item_index(ws.extent, layer, blocks, heads), gpu_slots)
         return plan, transfer
 
     def transfer(self, plan: TransferPlan) -> int:
         """Host -> GPU copy of the admitted items; returns bytes moved."""
         if plan.host_items.numel():
-            self.kv[plan.layer][plan.gpu_slots] = self.host.items[plan.host_items].to(
-                self.device, non_blocking=True)
+            source = self.host.items if plan.source is None else plan.source
+            self.kv[plan.layer][plan.gpu_slots] = source[plan.host_items].to(self.device, non_blocking=True)
         return plan.host_items.numel() * self.item_bytes
 
     def apply(self, ws: WorkingSet, layer: int, plan: EvictionPlan, transferred: int) -> None:
@@ -316,5 +328,8 @@ class SparseManager:
             return
         b = cached // self.block_size
         slots = torch.tensor(self.write_slots(ws, cached), device=self.device)
+        if ws.remote is not None:
+            self.remote.write_block(ws, b, self.kv[:, slots])
+            return
         items = self.host.extent_items(ws.extent)
         items[:, b].copy_(self.kv[:, slots].to(items.device))

@@ -73,6 +73,7 @@ class WorkingSet:
     noise: torch.Tensor | None = None  # [V] sampling noise of the next position, drawn a step early
     stats: SparseStats = field(default_factory=SparseStats)
     row: int | None = None  # its row of the LookaheadPipeline, when that path runs it
+    remote: object = None  # a disaggregated request's RemoteRequest: its blocks come from a peer
 
     @property
     def dynamic(self) -> slice:

@@ -1,0 +1,126 @@
+"""The decode instance's side of disaggregation (docs/disaggregation.md): admitting a request
+from its prefill's admission, and the source the sparse manager asks for a disaggregated
+working set's blocks (`SparseManager.remote`; the in-line path).
+
+Each step, the predict stage's top-K blocks of every (layer, KV head) are asked of the remote
+table (`RemoteReads.want`). Blocks not local yet are left out of this step's prediction, so the
+working set keeps what it holds, and are read in one batch per prefill peer posted after the
+last layer, under the byte budget. Reads are polled at every layer: a block counts from the
+first layer that asks for it after it lands, the next step at the latest. With
+`strict`, each layer waits for its blocks instead: the working set evolves exactly as it does
+colocated, which makes the tokens equal (tests).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from oasiskv.disagg.admission import Admission, admit_full, admit_rpf, held_positions
+from oasiskv.disagg.remote_reads import RemoteReads
+from oasiskv.engine.sequence import Sequence, SequenceStatus
+from oasiskv.sampling_params import SamplingParams
+from oasiskv.sparse.drafters import TokenHistory
+from oasiskv.sparse.working_set import WorkingSet
+
+
+class RemoteSource:
+    """`SparseManager.remote` on a decode instance."""
+
+    def __init__(self, reads: RemoteReads, num_layers: int, strict: bool = False,
+                 budget_bytes: int | None = None):
+        self.reads, self.num_layers, self.strict, self.budget_bytes = reads, num_layers, strict, budget_bytes
+
+    @property
+    def items(self) -> torch.Tensor:
+        return self.reads.store.items
+
+    def available(self, ws: WorkingSet, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """The predicted blocks [Hkv, K] (-1: none) with those not local yet masked to -1 (strict:
+        read and waited for first)."""
+        self.reads.poll()  # arrived blocks count from the next step; failures are seen at once
+        b = blocks.cpu()
+        heads, cols = torch.nonzero(b >= 0, as_tuple=True)
+        want = b[heads, cols].long().numpy()
+        local = self.reads.want(ws.remote, layer, want, heads.numpy())
+        if self.strict:
+            self.reads.flush()
+            self.reads.wait()
+            local = ws.remote.where[layer, want, heads.numpy()] >= 0
+        elif layer == self.num_layers - 1:
+            self.reads.flush(self.budget_bytes)
+        if local.all():
+            return blocks
+        out = b.clone()
+        out[heads[~torch.from_numpy(local)], cols[~torch.from_numpy(local)]] = -1
+        return out.to(blocks.device)
+
+    def item_index(self, ws: WorkingSet, layer: int, blocks: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Local items of (layer, block, head): only blocks `available` let through come here."""
+        idx = ws.remote.where[layer, blocks.numpy(), heads.numpy()]
+        if (idx < 0).any():
+            raise RuntimeError("a block admitted to the working set is not local")
+        return torch.from_numpy(idx)
+
+    def write_block(self, ws: WorkingSet, block: int, kv: torch.Tensor) -> None:
+        """The write-through of a block the decode side completed: kv [L, Hkv, 2, bs, D]."""
+        L, H = kv.shape[:2]
+        local = self.reads.place(ws.remote, np.arange(L)[:, None], block, np.arange(H)[None, :])
+        if local is None:
+            raise RuntimeError("the decode side's host items are full")
+        self.items[torch.from_numpy(local.reshape(L * H))] = kv.reshape(L * H, *kv.shape[2:]).to(self.items.device)
+
+    def release(self, ws: WorkingSet) -> None:
+        self.reads.release(ws.remote)
+
+
+def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence | None:
+    """Start decoding an admission in `engine` (a decode instance whose sparse manager has a
+    RemoteSource): its working set on the GPU, its summaries, its draft chain and first token,
+    as the prefill's conversion left them; `rpf` reads the other blocks from `peer` when asked,
+    `full` holds them all. None if pages or host items are short now."""
+    m = engine.runner.sparse
+    source: RemoteSource = m.remote
+    P = m.cfg.working_set_blocks
+    seq = Sequence(adm.request_id, list(adm.prompt_token_ids), params, output_token_ids=[adm.first_token])
+    seq.num_cached_tokens = adm.num_cached
+    max_blocks = m.max_blocks(seq, engine.max_model_len)
+    pages = engine.block_manager.take(P)
+    if pages is None:
+        return None
+    if adm.mode == "full":
+        state = admit_full(adm, source.reads, max_blocks, m.summary_dtype)
+    else:
+        state = admit_rpf(adm, source.reads, peer, max_blocks)
+    if state is None:
+        engine.block_manager.give_back(pages)
+        return None
+    # LRU stamps are steps: keep their distance to the prefill's step (never below zero).
+    m.step = max(m.step, adm.step)
+    last = state.last_selected
+    last = torch.where(last >= 0, last + (m.step - adm.step), last)
+    ws = WorkingSet(m.cfg, pages, None, state.blocks, last, state.kmin.to(m.device), state.kmax.to(m.device),
+                    draft=adm.draft, remote=state.remote)
+    ws.history = TokenHistory(seq.token_ids)
+    layer, head, pos = held_positions(state.blocks)
+    slots = torch.tensor(pages, dtype=torch.long)[pos] * m.Hkv + head
+    m.kv[layer.to(m.device), slots.to(m.device)] = state.items.to(m.device, m.kv.dtype)
+    seq.pages, seq.sparse, seq.status = pages, ws, SequenceStatus.RUNNING
+    engine.seqs[seq.request_id] = seq
+    engine.scheduler.running.append(seq)
+    return seq
+
+
+def fail_requests(engine, reads: RemoteReads) -> list:
+    """End the requests whose prefill peer failed (`RemoteReads.failed`) with an error output
+    each (finish reason "error"); their pages and items go back. Call after every step."""
+    outputs = []
+    failed, reads.failed = reads.failed, []
+    for req in failed:
+        seq = engine.seqs.get(req.request_id)
+        if seq is None or seq.is_finished:
+            continue
+        seq.error = f"the prefill instance holding this request's KV failed: {req.error}"
+        outputs.append(engine._fail(seq, time.perf_counter()))
+    return outputs

@@ -1,0 +1,73 @@
+"""The decode side's host memory for disaggregated requests (docs/disaggregation.md): an arena
+of KV items, `[num_items, 2, block_size, head_dim]` as the host pool's, handed out one item at
+a time. A request holds only the items it has received (its admission's working set, the
+blocks it fetched since, the blocks it wrote itself), not a reservation for its whole context.
+
+Free items are kept as sorted runs, and a batch of n items is taken from the lowest runs, so
+the items of one read come out mostly adjacent and adjacent remote items land in adjacent local
+ones: one extent each run (`remote_reads.merge_runs`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from oasiskv.sparse.host_pool import huge_page_empty
+
+
+class LocalItems:
+    def __init__(self, num_items: int, block_size: int, head_dim: int, dtype: torch.dtype):
+        self.items = huge_page_empty((num_items, 2, block_size, head_dim), dtype)
+        self.item_bytes = 2 * block_size * head_dim * dtype.itemsize
+        self._runs: list[tuple[int, int]] = [(0, num_items)] if num_items else []  # (start, length)
+        self._free_count = num_items
+
+    @property
+    def num_items(self) -> int:
+        return self.items.shape[0]
+
+    @property
+    def items_free(self) -> int:
+        return self._free_count
+
+    @property
+    def bytes_used(self) -> int:
+        return (self.num_items - self._free_count) * self.item_bytes
+
+    def allocate(self, n: int) -> np.ndarray | None:
+        """n item indices, ascending, lowest runs first; None (nothing taken) if fewer are free."""
+        if n > self._free_count:
+            return None
+        out, need = [], n
+        while need:
+            start, length = self._runs[0]
+            take = min(need, length)
+            out.append(np.arange(start, start + take, dtype=np.int64))
+            if take == length:
+                self._runs.pop(0)
+            else:
+                self._runs[0] = (start + take, length - take)
+            need -= take
+        self._free_count -= n
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def free(self, indices: np.ndarray) -> None:
+        """Give items back; runs are merged with their neighbours."""
+        idx = np.unique(np.asarray(indices, dtype=np.int64))
+        if not len(idx):
+            return
+        if len(idx) != len(np.asarray(indices).reshape(-1)):
+            raise ValueError("an item freed twice in one call")
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        new = [(int(r[0]), len(r)) for r in np.split(idx, breaks)]
+        runs = sorted(self._runs + new)
+        merged: list[tuple[int, int]] = []
+        for start, length in runs:
+            if merged and merged[-1][0] + merged[-1][1] > start:
+                raise ValueError(f"item {start} freed while free")
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._runs = merged
+        self._free_count += len(idx)

@@ -1,0 +1,257 @@
+"""The decode side's remote blocks (docs/disaggregation.md, "Remote reads each step").
+
+A disaggregated request's full KV stays in its prefill instance's host pool, laid out as every
+extent there, `[layer][block][head]` items from `remote_start`. The decode side keeps a table
+per request, `where[layer, block, head]`: the local item holding it (`LocalItems`), REMOTE, or
+IN_FLIGHT. Each step the sparse stages `want` the items they predict; `flush` turns everything
+wanted since the last flush into one batched read per prefill peer, merged across requests and
+layers, under a byte budget that keeps items in the order they were wanted (the engine asks
+layer by layer, each head's blocks best first), with adjacent items merged into one extent;
+`poll` marks the items of completed reads local, and they count from then on. An item is read at most once: local and in-flight items are
+never asked again. A peer's failed read fails every request of that peer (`failed`), whose
+items are freed once no read can still write into them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from oasiskv.disagg.local_items import LocalItems
+from oasiskv.disagg.transport import PendingRead, Transport, TransportError
+
+REMOTE, IN_FLIGHT = -1, -2
+
+
+@dataclass
+class RemoteRequest:
+    """One disaggregated request on the decode side."""
+    request_id: str
+    peer: str  # the prefill instance that holds its full KV
+    remote_start: int  # first item of its extent in the peer's region
+    remote_stride: int  # the peer extent's blocks per layer (its max_blocks)
+    remote_blocks: int  # blocks complete on the peer (a partial one changes here: never read)
+    where: np.ndarray  # [L, max_blocks, Hkv] int64: local item, REMOTE or IN_FLIGHT
+    reads_in_flight: int = 0
+    error: TransportError | None = None
+    released: bool = False
+
+    @classmethod
+    def new(cls, request_id: str, peer: str, remote_start: int, remote_stride: int, remote_blocks: int,
+            num_layers: int, max_blocks: int, num_kv_heads: int) -> "RemoteRequest":
+        """max_blocks: blocks per layer on the decode side (prompt and generated tokens);
+        blocks from `remote_blocks` on exist only locally."""
+        where = np.full((num_layers, max_blocks, num_kv_heads), REMOTE, dtype=np.int64)
+        return cls(request_id, peer, remote_start, remote_stride, remote_blocks, where)
+
+    def remote_item(self, layer, block, head) -> np.ndarray:
+        H = self.where.shape[2]
+        return self.remote_start + (np.asarray(layer) * self.remote_stride + np.asarray(block)) * H \
+            + np.asarray(head)
+
+    def local_items(self) -> np.ndarray:
+        return self.where[self.where >= 0]
+
+
+def merge_runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs (remote item, local item), sorted by remote item, as extents: (remote first item,
+    local first item, item count) of every run adjacent on both sides."""
+    order = np.argsort(remote, kind="stable")
+    r, l = remote[order], local[order]
+    if not len(r):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = np.flatnonzero((np.diff(r) != 1) | (np.diff(l) != 1)) + 1
+    starts = np.concatenate([[0], breaks])
+    counts = np.diff(np.concatenate([starts, [len(r)]]))
+    return r[starts], l[starts], counts
+
+
+@dataclass
+class _Read:
+    pending: PendingRead
+    items: list[tuple[RemoteRequest, np.ndarray, np.ndarray]]  # (request, flat where-index, local item)
+
+
+@dataclass
+class ReadTotals:
+    bytes_read: int = 0  # remote bytes received
+    reads: int = 0  # batched reads posted
+    extents: int = 0  # extents in them, after merging
+    items_over_budget: int = 0  # wanted items left for a later step by the byte budget
+    items_no_room: int = 0  # wanted items left for a later step: the local arena was full
+    failed_requests: int = 0
+
+
+class RemoteReads:
+    """The batched remote reads of one decode instance."""
+
+    def __init__(self, transport: Transport, store: LocalItems, read_timeout_s: float = 5.0):
+        self.transport, self.store, self.read_timeout_s = transport, store, read_timeout_s
+        self._wanted: list[tuple[RemoteRequest, np.ndarray]] = []  # (request, flat where-indices)
+        self._reads: list[_Read] = []
+        self._doomed: list[RemoteRequest] = []  # released or failed while reads were in flight
+        self.failed: list[RemoteRequest] = []  # requests whose peer failed, for the engine to abort
+        self.tracked: list[RemoteRequest] = []  # admitted and not released
+        self.totals = ReadTotals()
+
+    # ---- per step -------------------------------------------------------------------
+    def want(self, req: RemoteRequest, layer, block, head) -> np.ndarray:
+        """Ask for items of `req` (broadcast arrays); returns a bool mask of those local now."""
+        layer, block, head = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (layer, block, head)))
+        state = req.where[layer, block, head]
+        missing = (state == REMOTE) & (block < req.remote_blocks)
+        if missing.any() and req.error is None and not req.released:
+            flat = np.ravel_multi_index((layer[missing], block[missing], head[missing]), req.where.shape)
+            self._wanted.append((req, flat))
+        return state >= 0
+
+    def flush(self, budget_bytes: int | None = None) -> int:
+        """Post one read per peer for the items wanted since the last flush, in the order asked, at most
+        `budget_bytes` in all; returns the bytes posted. Items over the budget are dropped (the
+        stages ask again next step if they still want them)."""
+        wanted, self._wanted = self._wanted, []
+        budget_items = None if budget_bytes is None else budget_bytes // self.store.item_bytes
+        by_peer: dict[str, list[tuple[RemoteRequest, np.ndarray]]] = {}
+        taken = 0
+        for req, flat in wanted:
+            if req.error is not None or req.released:
+                continue
+            _, first = np.unique(flat, return_index=True)
+            flat = flat[np.sort(first)]  # once each, in the order asked
+            flat = flat[req.where.reshape(-1)[flat] == REMOTE]  # not asked by an earlier call
+            if budget_items is not None:
+                keep = max(0, min(len(flat), budget_items - taken))
+                self.totals.items_over_budget += len(flat) - keep
+                flat = flat[:keep]
+            if len(flat):
+                req.where.reshape(-1)[flat] = IN_FLIGHT
+                by_peer.setdefault(req.peer, []).append((req, flat))
+                taken += len(flat)
+        posted = 0
+        for peer, parts in by_peer.items():
+            posted += self._post(peer, parts)
+        return posted
+
+    def _post(self, peer: str, parts: list[tuple[RemoteRequest, np.ndarray]]) -> int:
+        n = sum(len(flat) for _, flat in parts)
+        local = self.store.allocate(n)
+        if local is None:  # the local arena is full: leave them remote, ask again later
+            self.totals.items_no_room += n
+            for req, flat in parts:
+                req.where.reshape(-1)[flat] = REMOTE
+            return 0
+        items, remote, at = [], [], 0
+        for req, flat in parts:
+            layer, block, head = np.unravel_index(flat, req.where.shape)
+            remote.append(req.remote_item(layer, block, head))
+            items.append((req, flat, local[at:at + len(flat)]))
+            at += len(flat)
+        r_first, l_first, counts = merge_runs(np.concatenate(remote), local)
+        ib = self.store.item_bytes
+        try:
+            pending = self.transport.read(peer, np.stack([r_first * ib, counts * ib], 1), l_first * ib,
+                                          self.read_timeout_s)
+        except TransportError as e:
+            self.store.free(local)
+            for req, flat, _ in items:
+                req.where.reshape(-1)[flat] = REMOTE
+            self._fail_peer(peer, e)
+            return 0
+        for req, _, _ in items:
+            req.reads_in_flight += 1
+        self._reads.append(_Read(pending, items))
+        self.totals.reads += 1
+        self.totals.extents += len(counts)
+        return n * ib
+
+    def poll(self) -> None:
+        """Settle the reads that are done or failed: their items become local (eligible next
+        step), or their peer's requests fail."""
+        still = []
+        for read in self._reads:
+            try:
+                done = self.transport.poll(read.pending)
+            except TransportError as e:
+                self._settle(read, ok=False)
+                self._fail_peer(read.pending.peer, e)
+                continue
+            if done:
+                self._settle(read, ok=True)
+            else:
+                still.append(read)
+        self._reads = still
+        self._free_doomed()
+
+    def wait(self) -> None:
+        """Poll until no read is in flight (`--rpf-strict`, and tests)."""
+        while self._reads:
+            self.poll()
+
+    def _settle(self, read: _Read, ok: bool) -> None:
+        for req, flat, local in read.items:
+            req.reads_in_flight -= 1
+            if ok and req.error is None and not req.released:
+                req.where.reshape(-1)[flat] = local
+                self.totals.bytes_read += len(local) * self.store.item_bytes
+            else:
+                req.where.reshape(-1)[flat] = REMOTE
+                self.store.free(local)
+
+    # ---- lifetimes ------------------------------------------------------------------
+    def _fail_peer(self, peer: str, error: TransportError) -> None:
+        """Every request of the peer fails; the engine aborts them (`failed`)."""
+        for req in self._requests_of(peer):
+            if req.error is None:
+                req.error = error
+                self.failed.append(req)
+                self.totals.failed_requests += 1
+        self.transport.remove_peer(peer)
+
+    def _requests_of(self, peer: str) -> list[RemoteRequest]:
+        seen = {id(r): r for read in self._reads for r, _, _ in read.items if r.peer == peer}
+        seen.update({id(r): r for r, _ in self._wanted if r.peer == peer})
+        seen.update({id(r): r for r in self.tracked if r.peer == peer})
+        return list(seen.values())
+
+    def admit(self, req: RemoteRequest) -> None:
+        """Track the request, so a failure of its peer reaches it even between reads."""
+        self.tracked.append(req)
+
+    def place(self, req: RemoteRequest, layer, block, head) -> np.ndarray | None:
+        """Local items for items of `req` that arrive otherwise (the admission's working set,
+        blocks the decode side completes itself), marked local; None if the arena is full.
+        The caller writes them (`store.items[returned]`). Items already local keep theirs."""
+        layer, block, head = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (layer, block, head)))
+        flat = np.ravel_multi_index((layer.reshape(-1), block.reshape(-1), head.reshape(-1)), req.where.shape)
+        where = req.where.reshape(-1)
+        if (where[flat] == IN_FLIGHT).any():
+            raise ValueError("an item placed while a read of it is in flight")
+        new = np.unique(flat[where[flat] == REMOTE])
+        local = self.store.allocate(len(new))
+        if local is None:
+            return None
+        where[new] = local
+        return where[flat]
+
+    def release(self, req: RemoteRequest) -> None:
+        """The request is done: its local items go back once no read writes into them."""
+        req.released = True
+        if req in self.tracked:
+            self.tracked.remove(req)
+        self._doomed.append(req)
+        self._free_doomed()
+
+    def _free_doomed(self) -> None:
+        keep = []
+        for req in self._doomed:
+            if req.reads_in_flight:
+                keep.append(req)
+                continue
+            self.store.free(req.local_items())
+            req.where[...] = REMOTE
+        self._doomed = keep
+
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._reads)
