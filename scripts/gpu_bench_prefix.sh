@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `oasiskv bench prefix` on one H200 in one call (about 8 minutes): prefix cache off, then on, for
+# `oasiskv bench prefix` on one H200, meant to fit one call (each case is cut at CASE_S seconds;
+# not yet timed on the GPU, so LOADS and CASES split it if needed): prefix cache off, then on, for
 # the shared-document load (32 requests x (16K shared document + 256 own question) -> 256 out) and
 # the multi-turn load (16 conversations x 4 turns: a 13K document and a 256-token question, each
 # later turn re-sending the history with a new question, to ~15K), dense, then sparse; qwen3-8b
