@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `oasiskv bench prefix` on one H200 in one call (about 8 minutes): prefix cache off, then on, for
+# `oasiskv bench prefix` on one H200, meant to fit one call (each case is cut at CASE_S seconds;
+# not yet timed on the GPU, so LOADS and CASES split it if needed): prefix cache off, then on, for
 # the shared-document load (32 requests x (16K shared document + 256 own question) -> 256 out) and
 # the multi-turn load (16 conversations x 4 turns: a 13K document and a 256-token question, each
 # later turn re-sending the history with a new question, to ~15K), dense, then sparse; qwen3-8b
@@ -8,7 +9,8 @@
 #   run(command="bash scripts/gpu_bench_prefix.sh")
 #
 # Sizes without editing: MODEL, LOAD_FORMAT, N, DOC, Q, O, CONV, TURNS, FIRST, MAX_LEN, HOST_KV_GB,
-# CASES (default "dense sparse"), CASE_S (seconds per case), EXTRA (more engine flags). A check on
+# LOADS (default "shared-doc multi-turn"), CASES (default "dense sparse"), CASE_S (seconds per
+# case), EXTRA (more engine flags). A check on
 # CPU with the default model:
 #   MODEL= LOAD_FORMAT=auto N=3 DOC=80 Q=8 O=4 CONV=2 TURNS=3 FIRST=48 MAX_LEN=256 HOST_KV_GB=0.05 \
 #     EXTRA="--sparse-threshold 80 --top-k-blocks 2 --window-blocks 2" PYTHON=.venv/bin/python \
@@ -31,12 +33,12 @@ run_case() {  # NAME ENGINE-FLAGS...
   local name=$1; shift
   echo "=== $name"
   local t0=$SECONDS
-  # shellcheck disable=SC2086  # EXTRA is a list of flags
+  # shellcheck disable=SC2086  # LOADS and EXTRA are lists
   timeout "${CASE_S:-280}" "$PY" -c "$BENCH_PY" "${model[@]}" --load-format "${LOAD_FORMAT:-dummy}" \
     --max-model-len "${MAX_LEN:-20480}" --max-num-seqs 32 \
     --num-requests "${N:-32}" --doc-len "${DOC:-16384}" --question-len "${Q:-256}" --output-len "${O:-256}" \
     --conversations "${CONV:-16}" --turns "${TURNS:-4}" --first-turn-len "${FIRST:-13312}" \
-    ${EXTRA:-} "$@" --output-json "$OUT/prefix_$name.json" > "$OUT/prefix_$name.log" 2>&1
+    --loads ${LOADS:-shared-doc multi-turn} ${EXTRA:-} "$@" --output-json "$OUT/prefix_$name.json" > "$OUT/prefix_$name.log" 2>&1
   echo "exit $? after $((SECONDS - t0)) s"
   grep -E "=====|Mean TTFT|Output token|hit rate|Prefill tokens|TTFT, cache|throughput, on|cache-off tokens" \
     "$OUT/prefix_$name.log"

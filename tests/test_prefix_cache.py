@@ -30,6 +30,7 @@ def llm():
 
 
 def generate(llm, prompts, params=GREEDY, caching=True):
+    """One generate call with the cache on or off (emptied first); the pool is whole after it."""
     bm = llm.engine.block_manager
     bm.enable_caching = caching
     bm.reset_prefix_cache()
@@ -39,7 +40,8 @@ def generate(llm, prompts, params=GREEDY, caching=True):
 
 
 def both(llm, runs, params=GREEDY):
-    """runs: lists of prompts generated one after another; -> (cache off, cache on) outputs."""
+    """runs: lists of prompts generated one after another, cache off, then on. Their tokens must be
+    equal; -> the cache-on outputs."""
     got = {}
     for caching in (False, True):
         bm = llm.engine.block_manager

@@ -78,13 +78,15 @@ class Load:
         return sorted(records, key=lambda r: (r["conversation"], r["turn"]))
 
 
-def warm_up(engine, params) -> None:
+def warm_up(engine) -> None:
     """One request long enough for a full prefill chunk (and a conversion, when sparse), so that
     kernels compile before either timed run."""
+    from oasiskv.sampling_params import SamplingParams
+
     n = min(engine.config.max_num_batched_tokens + 64, engine.max_model_len - 8)
     if engine.runner.sparse is not None:
         n = min(max(n, engine.config.sparse_threshold + 64), engine.max_model_len - 8)
-    engine.add_request(list(range(n)), params.__class__(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request(list(range(n)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
 
@@ -158,7 +160,7 @@ def run_prefix_bench(args) -> int:
     engine = LLMEngine(engine_config(args))
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    warm_up(engine, params)
+    warm_up(engine)
     vocab = engine.runner.model_config.vocab_size
     runs = []
     result = {"model": engine.runner.model_config.name, "dtype": str(engine.runner.dtype).removeprefix("torch."),

@@ -5,8 +5,8 @@ decode step (one new token for every running sequence). Prefill goes first so ne
 requests join the running batch quickly; long prompts are cut into chunks so a 32K
 prompt never needs 32K tokens of activations at once. A new request's leading blocks found in
 the prefix cache are shared and its prefill starts after them; one whose next block another
-request computes in the same step waits a step, and then finds it cached. When pages run out during
-decode the newest running sequence is preempted and later recomputed.
+request computes in the same step waits a step, and then finds it cached. When pages run out
+during decode the newest running sequence is preempted and later recomputed.
 """
 from __future__ import annotations
 
