@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from oasiskv.kernels.paged_prefill import PrefillTable, paged_prefill_triton
-from oasiskv.kernels.reference import paged_prefill_ref
+from oasiskv.kernels.paged_prefill import paged_prefill_triton
+from oasiskv.kernels.reference import paged_prefill_ref, random_paged_prefill
 
 DEV = "cuda"
 BS = 16
@@ -32,25 +32,7 @@ results = {"checks": [], "timing": [], "sweep": []}
 
 
 def make_inputs(spans, Hkv, G, D, dtype, seed=0):
-    """spans: (prefix_len, length) per chunk, one sequence each, its pages scattered over the
-    pool. Positions past prefix_len + length hold NaN: a kernel that reads them fails the check."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    need = [-(-(p + n) // BS) for p, n in spans]
-    num_pages = sum(need) + 7
-    order = torch.randperm(num_pages, device=DEV, generator=g).tolist()
-    pool = torch.full((num_pages * Hkv, 2, BS, D), float("nan"), device=DEV, dtype=dtype)
-    pages, starts, at = [], [], 0
-    for (prefix, length), k in zip(spans, need):
-        own, order = order[:k], order[k:]
-        pages.append(own)
-        starts.append(at)
-        at += length
-        slots = torch.tensor(own, device=DEV)[:, None] * Hkv + torch.arange(Hkv, device=DEV)[None, :]
-        flat = pool[slots].permute(1, 2, 0, 3, 4).reshape(Hkv, 2, -1, D)
-        flat[:, :, :prefix + length] = torch.randn(Hkv, 2, prefix + length, D, device=DEV, generator=g).to(dtype)
-        pool[slots] = flat.view(Hkv, 2, k, BS, D).permute(2, 0, 1, 3, 4)
-    q = torch.randn(at, G * Hkv, D, device=DEV, generator=g).to(dtype)
-    table = PrefillTable.build(starts, [n for _, n in spans], [p for p, _ in spans], pages, torch.device(DEV))
+    q, pool, table, _ = random_paged_prefill(spans, Hkv, G, D, dtype, BS, seed, DEV, spare_pages=7)
     return q, pool, table
 
 

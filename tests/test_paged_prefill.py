@@ -18,34 +18,15 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
-from oasiskv.kernels.paged_prefill import PrefillTable
-from oasiskv.kernels.reference import paged_prefill_ref
+from oasiskv.kernels.reference import paged_prefill_ref, random_paged_prefill
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 def make_prefill_inputs(spans, Hkv, G, D, dtype, bs=16, seed=0):
-    """spans: (prefix_len, length) per chunk, one sequence each. Returns q, the cache and the
-    table. The pages of each sequence are scattered over the pool; everything past a sequence's
-    prefix_len + length (the rest of its last page, pages no one owns) holds NaN, and unused
-    page-table entries are -1: a kernel that reads them fails the comparison."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(p + n) // bs) for p, n in spans]
-    num_pages = sum(need) + 3
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    kv_cache = torch.full((num_pages * Hkv, 2, bs, D), float("nan")).to(dtype)
-    pages, starts, at = [], [], 0
-    for (prefix, length), k in zip(spans, need):
-        own, order = order[:k], order[k:]
-        pages.append(own)
-        starts.append(at)
-        at += length
-        slots = torch.tensor(own)[:, None] * Hkv + torch.arange(Hkv)[None, :]  # [k, Hkv]
-        flat = kv_cache[slots].permute(1, 2, 0, 3, 4).reshape(Hkv, 2, -1, D)  # [Hkv, 2, k * bs, D]
-        flat[:, :, :prefix + length] = torch.randn(Hkv, 2, prefix + length, D, generator=gen).to(dtype)
-        kv_cache[slots] = flat.view(Hkv, 2, k, bs, D).permute(2, 0, 1, 3, 4)
-    q = torch.randn(at, G * Hkv, D, generator=gen).to(dtype)
-    table = PrefillTable.build(starts, [n for _, n in spans], [p for p, _ in spans], pages, torch.device("cpu"))
+    """`random_paged_prefill`'s inputs, with the unused page-table entries -1: a kernel that
+    reads them fails the comparison."""
+    q, kv_cache, table, pages = random_paged_prefill(spans, Hkv, G, D, dtype, bs, seed)
     table.page_table.fill_(-1)  # the padding entries; then each row's own pages
     for i, own in enumerate(pages):
         table.page_table[i, :len(own)] = torch.tensor(own, dtype=torch.int32)

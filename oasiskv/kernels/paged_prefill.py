@@ -97,6 +97,16 @@ except ImportError:  # CPU-only installs run the torch path alone
 if triton is not None:
 
     @triton.jit
+    def _online_softmax(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+        """One key tile's scores s (log2 domain) and values v into the rows' (m, l, acc)."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _prefill_kernel(
             q_ptr, kv_ptr, out_ptr, chunk_ptr, page_ptr,
             sq_t, sq_h, so_t, so_h, skv_slot, skv_kv, skv_tok, s_pt,
@@ -150,12 +160,7 @@ if triton is not None:
                 v = v.to(tl.float32)
             # Scores in the log2 domain (scale * log2 e folded in) so exp2 is used throughout.
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, PRECISION)
         for n0 in range(full_end, kv_end, BLOCK_N):
             pos = n0 + n_i
             ok = pos < kv_end  # past it: unwritten memory, never loaded (0 * NaN is NaN)
@@ -170,12 +175,7 @@ if triton is not None:
             # Causal: row r sees positions <= qpos[r]. Every row sees position full_end (<= its
             # own), so the first tile here leaves each row's max finite if none came before.
             s = tl.where(pos[None, :] <= qpos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, PRECISION)
 
         out = acc / l_i[:, None]
         tl.store(out_ptr + tok_row[:, None] * so_t + head[:, None] * so_h + d[None, :],

@@ -92,3 +92,32 @@ def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, chunks: torch.Ten
             o = torch.softmax(scores, dim=-1) @ vals  # [G, length, D]
             out[start:start + length, h * G:(h + 1) * G] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def random_paged_prefill(spans, Hkv: int, G: int, D: int, dtype, bs: int = 16, seed: int = 0,
+                         device: str = "cpu", spare_pages: int = 3):
+    """Random inputs of the prefill kernel: spans are (prefix_len, length) per chunk, one sequence
+    each, its pages scattered over the pool. Everything past a sequence's prefix_len + length (the
+    rest of its last page, pages no one owns) holds NaN: a kernel that reads it fails a comparison.
+    Returns q, the cache, the PrefillTable and each sequence's pages."""
+    from oasiskv.kernels.paged_prefill import PrefillTable
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    need = [-(-(p + n) // bs) for p, n in spans]
+    num_pages = sum(need) + spare_pages
+    order = torch.randperm(num_pages, device=device, generator=gen).tolist()
+    kv_cache = torch.full((num_pages * Hkv, 2, bs, D), float("nan"), device=device).to(dtype)
+    pages, starts, at = [], [], 0
+    for (prefix, length), k in zip(spans, need):
+        own, order = order[:k], order[k:]
+        pages.append(own)
+        starts.append(at)
+        at += length
+        slots = torch.tensor(own, device=device)[:, None] * Hkv + torch.arange(Hkv, device=device)[None, :]
+        flat = kv_cache[slots].permute(1, 2, 0, 3, 4).reshape(Hkv, 2, -1, D)  # [Hkv, 2, k * bs, D]
+        flat[:, :, :prefix + length] = torch.randn(Hkv, 2, prefix + length, D, device=device,
+                                                   generator=gen).to(dtype)
+        kv_cache[slots] = flat.view(Hkv, 2, k, bs, D).permute(2, 0, 1, 3, 4)
+    q = torch.randn(at, G * Hkv, D, device=device, generator=gen).to(dtype)
+    table = PrefillTable.build(starts, [n for _, n in spans], [p for p, _ in spans], pages, torch.device(device))
+    return q, kv_cache, table, pages
