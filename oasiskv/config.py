@@ -17,7 +17,7 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192  # prefill chunk budget per step
+    max_num_batched_tokens: int = 4096  # prefill chunk budget per step (docs/benchmarks.md: why)
     kv_cache_gb: float | None = None  # explicit KV pool size
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False

@@ -86,7 +86,8 @@ def build_engine(model_name: str, max_chunk: int, max_model_len: int):
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=model_name, load_format="dummy", max_num_batched_tokens=max_chunk,
-                                    max_num_seqs=32, max_model_len=max_model_len))
+                                    max_num_seqs=32, max_model_len=max_model_len,
+                                    enable_prefix_caching=False))  # every run prefills the same prompts
     print(f"engine ready in {time.perf_counter() - t0:.0f} s, {engine.block_manager.num_pages} pages", flush=True)
     return engine
 

@@ -233,10 +233,11 @@ class LLMEngine:
         return all(s.sparse is None and not r.sparse.should_convert(s, s.num_tokens + ahead) for s in seqs)
 
     def _next_step_of(self, seqs: list[Sequence]) -> list[Sequence]:
-        """The requests of a step in flight that certainly take another step: none when requests
-        wait to be admitted (the scheduler must run) or pages run short (it may preempt); those
+        """The requests of a step in flight that certainly take another step: none when a prompt
+        waits for its admission or its next chunk (the scheduler must run) or pages run short (it
+        may preempt); those
         whose token now reaches max_tokens or the model length leave."""
-        if self.scheduler.waiting or not self._overlappable(seqs, ahead=1):
+        if self.scheduler.has_prefill_ready() or not self._overlappable(seqs, ahead=1):
             return []
         nxt = [s for s in seqs if s.status == SequenceStatus.RUNNING and s.error is None
                and len(s.output_token_ids) + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len]

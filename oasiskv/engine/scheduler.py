@@ -2,8 +2,10 @@
 
 A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens`) or a
 decode step (one new token for every running sequence). Prefill goes first so new
-requests join the running batch quickly; long prompts are cut into chunks so a 32K
-prompt never needs 32K tokens of activations at once. A new request's leading blocks found in
+requests join the running batch quickly, but never twice in a row while requests wait to
+decode: a decode step runs between two chunks, so a long prompt delays the running requests'
+next token by one chunk's time, not by its whole prefill. Long prompts are cut into chunks so
+a 32K prompt never needs 32K tokens of activations at once. A new request's leading blocks found in
 the prefix cache are shared and its prefill starts after them; one whose next block another
 request computes in the same step waits a step, and then finds it cached. When pages run out
 during decode the newest running sequence is preempted and later recomputed.
@@ -35,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # every preemption so far (oasiskv:num_preemptions_total)
+        self.last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -43,10 +46,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
-        if batch is None:
-            batch = self._schedule_decode()
+        if self.last_was_prefill and self.has_decode_ready():
+            batch = self._schedule_decode() or self._schedule_prefill()
+        else:
+            batch = self._schedule_prefill() or self._schedule_decode()
+        self.last_was_prefill = batch is not None and batch.is_prefill
         return batch
+
+    def has_decode_ready(self) -> bool:
+        return any(not s.in_prefill for s in self.running)
+
+    def has_prefill_ready(self) -> bool:
+        """A chunked prefill or a waiting request could take the next step."""
+        return bool(self.waiting) or any(s.in_prefill for s in self.running)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm, budget = self.block_manager, self.max_num_batched_tokens

@@ -183,7 +183,7 @@ if triton is not None:
 
 
 def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, table: PrefillTable, num_kv_heads: int,
-                         scale: float, rows: int = 128, block_n: int | None = None, num_warps: int = 8,
+                         scale: float, rows: int = 128, block_n: int | None = None, num_warps: int = 4,
                          num_stages: int = 3, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's path (any device under TRITON_INTERPRET=1: the tests); same contract as
     `paged_prefill_ref`. rows: query rows a program holds (tokens x the group's heads, a power
