@@ -25,15 +25,17 @@ from oasiskv.engine.sequence import Sequence
 
 
 class RankProcesses:
-    """The processes of ranks 1..N-1 and the pipe to each."""
+    """The processes of ranks 1..N-1 and the pipe to each; each runs
+    `target(rank, cfg, port, pipe, *target_args)` (default: the engine's rank loop)."""
 
-    def __init__(self, cfg: EngineConfig, port: int):
+    def __init__(self, cfg: EngineConfig, port: int, target=worker_main, target_args: tuple = ()):
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also keeps the ranks clean
         self.procs, self.conns, self.errors = [], [], {}
         self.failed = False  # after a failure the healthy ranks sit in a broken collective: no waiting on them
         for rank in range(1, cfg.tensor_parallel_size):
             ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(rank, cfg, port, theirs), name=f"oasiskv-tp-rank{rank}")
+            p = ctx.Process(target=target, args=(rank, cfg, port, theirs, *target_args),
+                            name=f"oasiskv-tp-rank{rank}")
             p.start()
             theirs.close()
             self.procs.append(p)
