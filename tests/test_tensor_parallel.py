@@ -76,11 +76,11 @@ def test_shards_rebuild_every_tensor():
     assert torch.equal(torch.cat(parts)[:cfg.vocab_size], emb)
 
 
-def test_settings_above_size_1_step_synchronously_in_line():
+def test_settings_above_size_1_step_synchronously():
     cfg = EngineConfig(tensor_parallel_size=2)
-    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("off", "off")
+    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("off", "auto")
     assert EngineConfig().async_scheduling == "auto"  # size 1 untouched
-    for bad in (dict(async_scheduling="on"), dict(sparse_pipeline="on"), dict(drafter="oracle")):
+    for bad in (dict(async_scheduling="on"), dict(drafter="oracle")):
         with pytest.raises(ValueError):
             EngineConfig(tensor_parallel_size=2, **bad)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -223,6 +223,34 @@ def test_reduced_qwen3_size_2_preempted_requests(reduced, tmp_path):
         assert llm.engine.scheduler.num_preemptions > 0
     finally:
         _stop(llm)
+
+
+def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path):
+    """The batched pipeline on each rank (its torch stages on CPU), K = 8 blocks, so rows evict
+    and fetch. After the same step the first request finishes (the last row moves into its
+    row) and the third converts (it takes the next row): the other rank replays both in rank
+    0's order, so every row holds the same request on both ranks. Size 1's tokens."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    args = dict(load_format="dummy", max_model_len=1024, sparse=True, sparse_pipeline="on", top_k_blocks=8,
+                window_blocks=2, sink_blocks=1, sparse_threshold=256, fetch_ratio=0.25, host_kv_gb=0.05)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (400, 330, 250)]
+    # the third converts after the step that gives its 7th token, when the first ends
+    params = [replace(GREEDY, max_tokens=n) for n in (7, 28, 20)]
+    one = LLM(str(path), **args)
+    want = one.generate(prompts, params)
+    two = LLM(str(path), tensor_parallel_size=2, distributed_timeout_s=30, **args)
+    try:
+        leaves, changes = [], two.engine.runner.steps.record_leave
+        two.engine.runner.steps.record_leave = lambda seq: (leaves.append(seq.request_id), changes(seq))
+        got = two.generate(prompts, params)
+        assert two.engine.runner.pipeline.num_rows == 0 and len(leaves) == 3
+    finally:
+        _stop(two)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.stats["sparse_steps"] for o in got] == [o.stats["sparse_steps"] for o in want]
+    assert want[1].stats["evicted"] > 0 and got[1].stats["evicted"] > 0
 
 
 def test_a_hung_rank_ends_the_engine_within_the_timeout(reduced):

@@ -117,9 +117,12 @@ class DriverRunner(ParallelModelRunner):
             torch.cuda.set_device(device)
         self.ranks = RankProcesses(cfg, port)
         self._stopper = weakref.finalize(self, self.ranks.stop)
+        self.steps = StepInputBuilder()
         try:
             group = init_group(0, cfg.tensor_parallel_size, port, device, cfg.distributed_timeout_s)
             super().__init__(cfg, group)
+            if self.pipeline is not None:
+                self._record_pipeline_leaves()
             self.ranks.wait_ready(max(START_TIMEOUT_S, cfg.distributed_timeout_s))
         except RankFailure as e:
             error = self._failure(e)
@@ -128,7 +131,6 @@ class DriverRunner(ParallelModelRunner):
         except BaseException:
             self.shutdown()
             raise
-        self.steps = StepInputBuilder()
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         try:
@@ -137,6 +139,17 @@ class DriverRunner(ParallelModelRunner):
             return super().execute(batch)
         except RankFailure as e:
             raise self._failure(e) from e
+
+    def _record_pipeline_leaves(self) -> None:
+        """Every request that leaves a pipeline row here (the scheduler finishes or preempts it)
+        is told to the other ranks, in order with the conversions, so their rows stay rank 0's."""
+        leave = self.sparse.leave_pipeline
+
+        def leave_and_record(seq: Sequence) -> None:
+            if seq.sparse is not None and seq.sparse.row is not None:
+                self.steps.record_leave(seq)
+            leave(seq)
+        self.sparse.leave_pipeline = leave_and_record
 
     def _failure(self, e: RankFailure) -> RankFailure:
         """A collective's failure, with what happened to each rank (once: `RankProcesses.failure`

@@ -29,6 +29,7 @@ class RequestUpdate:
     pages: list[int] | None = None  # None: unchanged
     host_extent: HostExtent | None = None  # when it first holds one
     draft: int | None = None  # a sparse request's draft token, chosen on rank 0
+    row: int | None = None  # its pipeline row on rank 0 (every rank's must be the same)
 
 
 @dataclass(slots=True)
@@ -41,11 +42,21 @@ class Conversion:
 
 
 @dataclass(slots=True)
+class LeavePipeline:
+    """Rank 0 took a request out of its pipeline row after the last step (finished or
+    preempted); the last row moved into its place (`LookaheadPipeline.release`)."""
+    request_id: str
+
+
+@dataclass(slots=True)
 class StepInput:
     requests: list[RequestUpdate]  # the batch, in order
     num_tokens: list[int]
     is_prefill: bool
-    conversions: list[Conversion] = field(default_factory=list)
+    # Conversions and pipeline leaves since the last step, in rank 0's order: each moves
+    # pipeline rows, and a row must hold the same request on every rank (the all-reduces add
+    # the ranks' rows position by position).
+    row_changes: list[Conversion | LeavePipeline] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # requests gone since the last step
 
 
@@ -62,18 +73,21 @@ class StepInputBuilder:
 
     def __init__(self):
         self.sent: dict[str, _Sent] = {}
-        self.conversions: list[Conversion] = []
+        self.row_changes: list[Conversion | LeavePipeline] = []
 
     def record_conversion(self, seq: Sequence, pages: list[int]) -> None:
-        self.conversions.append(Conversion(seq.request_id, seq.num_cached_tokens, list(seq.pages), list(pages)))
+        self.row_changes.append(Conversion(seq.request_id, seq.num_cached_tokens, list(seq.pages), list(pages)))
+
+    def record_leave(self, seq: Sequence) -> None:
+        self.row_changes.append(LeavePipeline(seq.request_id))
 
     def build(self, batch: ScheduledBatch) -> StepInput:
         gone = [rid for rid, s in self.sent.items() if s.seq.is_finished]
         for rid in gone:
             del self.sent[rid]
         step = StepInput([self._update(seq) for seq in batch.seqs], list(batch.num_tokens), batch.is_prefill,
-                         self.conversions, gone)
-        self.conversions = []
+                         self.row_changes, gone)
+        self.row_changes = []
         return step
 
     def _update(self, seq: Sequence) -> RequestUpdate:
@@ -83,7 +97,8 @@ class StepInputBuilder:
             s = self.sent[seq.request_id] = _Sent(seq, 0, [], False)
         u = RequestUpdate(seq.request_id, seq.token_ids[s.num_tokens:], seq.num_cached_tokens, seq.convert_early,
                           seq.sparse is not None,
-                          draft=seq.sparse.draft if seq.sparse is not None else None)
+                          draft=seq.sparse.draft if seq.sparse is not None else None,
+                          row=seq.sparse.row if seq.sparse is not None else None)
         if first:
             u.params = replace(seq.params, logits_processors=[])
             u.num_prompt_tokens = len(seq.prompt_token_ids)
@@ -103,14 +118,17 @@ class RequestMirror:
         self.seqs: dict[str, Sequence] = {}
 
     def apply(self, step: StepInput) -> ScheduledBatch:
-        """Conversions first (they read the state of the step that decided them), then the
-        finished requests (their host extents go back before new ones are placed, as on rank 0),
-        then the batch's changes."""
+        """Conversions and pipeline leaves first, in rank 0's order (a conversion reads the state
+        of the step that decided it), then the finished requests (their host extents go back
+        before new ones are placed, as on rank 0), then the batch's changes."""
         r = self.runner
         recorded = {id(seq): q for seq, q in r.pending_conversions}
         r.pending_conversions = []
-        for c in step.conversions:
+        for c in step.row_changes:
             seq = self.seqs[c.request_id]
+            if isinstance(c, LeavePipeline):
+                r.sparse.leave_pipeline(seq)
+                continue
             if id(seq) not in recorded:
                 raise RuntimeError(f"request {c.request_id!r} converted on rank 0 but recorded no query here")
             seq.num_cached_tokens, seq.pages = c.num_cached_tokens, list(c.dense_pages)
@@ -139,6 +157,9 @@ class RequestMirror:
             seq.sparse = None
         if seq.sparse is not None:
             seq.sparse.draft = u.draft
+            if seq.sparse.row != u.row:
+                raise RuntimeError(f"request {seq.request_id!r}: pipeline row {seq.sparse.row} on this rank, "
+                                   f"{u.row} on rank 0")
         return seq
 
     def _place_extent(self, seq: Sequence, ext: HostExtent) -> None:
