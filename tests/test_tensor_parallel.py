@@ -76,11 +76,10 @@ def test_shards_rebuild_every_tensor():
     assert torch.equal(torch.cat(parts)[:cfg.vocab_size], emb)
 
 
-def test_settings_above_size_1_step_synchronously():
+def test_settings_above_size_1():
     cfg = EngineConfig(tensor_parallel_size=2)
-    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("off", "auto")
-    assert EngineConfig().async_scheduling == "auto"  # size 1 untouched
-    for bad in (dict(async_scheduling="on"), dict(drafter="oracle")):
+    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("auto", "auto")
+    for bad in (dict(drafter="oracle"), dict(distributed_timeout_s=0)):
         with pytest.raises(ValueError):
             EngineConfig(tensor_parallel_size=2, **bad)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -207,6 +206,25 @@ def test_reduced_qwen3_sizes_2_and_4_dense_and_sparse(reduced):
         assert got[2].stats["sparse_steps"] == 15 and "sparse_steps" not in got[0].stats
 
 
+def test_reduced_qwen3_sizes_2_and_4_async_dense(reduced):
+    """Dense steps launched before the last one's tokens are read, at sizes 2 and 4: every
+    rank's inputs are rank 0's samples, broadcast on the device; a greedy and a seeded sampled
+    request give size 1's (synchronous) tokens."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (9, 50)]
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)]
+    want = [o.token_ids for o in reduced[1].generate(prompts, params)]
+    for n in (2, 4):
+        engine = reduced[n].engine
+        before = engine.step_stats["overlapped_steps"]
+        engine.async_scheduling = True  # the engine reads it each step (auto is off on CPU)
+        try:
+            assert [o.token_ids for o in reduced[n].generate(prompts, params)] == want, n
+        finally:
+            engine.async_scheduling = False
+        assert engine.step_stats["overlapped_steps"] - before >= 10
+
+
 def test_reduced_qwen3_size_2_preempted_requests(reduced, tmp_path):
     """Ten pages for four requests of four pages each: rank 0's scheduler preempts, the other
     rank's mirror drops the pages and recomputes with it; the tokens are size 1's."""
@@ -225,11 +243,14 @@ def test_reduced_qwen3_size_2_preempted_requests(reduced, tmp_path):
         _stop(llm)
 
 
-def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path, async_scheduling):
     """The batched pipeline on each rank (its torch stages on CPU), K = 8 blocks, so rows evict
     and fetch. After the same step the first request finishes (the last row moves into its
     row) and the third converts (it takes the next row): the other rank replays both in rank
-    0's order, so every row holds the same request on both ranks. Size 1's tokens."""
+    0's order, so every row holds the same request on both ranks. Size 1's tokens (synchronous),
+    also when the steps of sparse rows overlap (async: each step's inputs are rank 0's samples
+    of the step before, broadcast on the device)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(REDUCED_QWEN3))
     args = dict(load_format="dummy", max_model_len=1024, sparse=True, sparse_pipeline="on", top_k_blocks=8,
@@ -240,12 +261,14 @@ def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path):
     params = [replace(GREEDY, max_tokens=n) for n in (7, 28, 20)]
     one = LLM(str(path), **args)
     want = one.generate(prompts, params)
-    two = LLM(str(path), tensor_parallel_size=2, distributed_timeout_s=30, **args)
+    two = LLM(str(path), tensor_parallel_size=2, distributed_timeout_s=30, async_scheduling=async_scheduling,
+              **args)
     try:
         leaves, changes = [], two.engine.runner.steps.record_leave
         two.engine.runner.steps.record_leave = lambda seq: (leaves.append(seq.request_id), changes(seq))
         got = two.generate(prompts, params)
         assert two.engine.runner.pipeline.num_rows == 0 and len(leaves) == 3
+        assert (two.engine.step_stats["overlapped_steps"] > 10) == (async_scheduling == "on")
     finally:
         _stop(two)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

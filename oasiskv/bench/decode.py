@@ -24,7 +24,6 @@ import time
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S, weight_bytes_per_step
-from oasiskv.config import EngineConfig
 from oasiskv.engine.sampler import read_host, to_host
 from oasiskv.entrypoints.args import engine_config
 
@@ -115,7 +114,7 @@ class DecodeBench:
         batches = _ints(args.batch_sizes) if args.sweep else [args.batch_size]
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         self.tail = args.warmup + args.steps + 2 * 16 + 1  # room for decoded tokens and capture warm-ups
-        cfg = runner_config(args)
+        cfg = engine_config(args)
         cfg = dataclasses.replace(cfg, sparse=False, max_model_len=max(contexts) + self.tail,
                                   max_num_seqs=max(max(batches), args.batch_size))
         t0 = time.perf_counter()
@@ -136,9 +135,7 @@ class DecodeBench:
         self.sparse_cfg = dataclasses.replace(cfg.sparse_config(), enabled=True)  # validates the flags
         if args.summary_dtypes:  # runs not swept over it (ablation, capacity, no-prefetch) take the first
             self.sparse_cfg = dataclasses.replace(self.sparse_cfg, summary_dtype=args.summary_dtypes.split(",")[0])
-        # The engine's setting as asked (`runner_config` leaves it out).
-        mode = args.async_scheduling
-        self.overlap = mode == "on" or (mode == "auto" and r.device.type == "cuda")
+        self.overlap = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto" and r.device.type == "cuda")
 
     # ---- sizes ----------------------------------------------------------------------
     def blocks(self, context: int) -> int:
@@ -432,12 +429,6 @@ class DecodeBench:
         return out
 
 
-def runner_config(args) -> EngineConfig:
-    """The engine's settings from the flags, except async scheduling: the benchmark runs its
-    own step loop, which overlaps steps as `--async-scheduling` asks at every size."""
-    return engine_config(argparse.Namespace(**{**vars(args), "async_scheduling": "off"}))
-
-
 def transfer_spec(text: str) -> tuple[int | None, int | None, int | None]:
     """--transfer-programs value P[:ITEMS[:WARPS]] -> (programs, items or None, warps or None);
     "auto" -> all None (the pipeline's)."""
@@ -490,7 +481,7 @@ def run_decode_bench(args) -> int:
         raise ValueError(f"--transfer-tma-stages takes counts >= 0, not {args.transfer_tma_stages!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
         raise ValueError(f"--gemm-sm-carveouts takes counts >= 0, not {args.gemm_sm_carveouts!r}")
-    cfg = runner_config(args)
+    cfg = engine_config(args)
     if cfg.tensor_parallel_size > 1:
         from oasiskv.distributed.every_rank import run_on_every_rank
         return run_on_every_rank(cfg, decode_bench_on_rank, args)

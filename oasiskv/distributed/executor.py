@@ -140,6 +140,20 @@ class DriverRunner(ParallelModelRunner):
         except RankFailure as e:
             raise self._failure(e) from e
 
+    def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
+        """A decode step that does not wait for its tokens (async scheduling), on every rank:
+        `ids`, rank 0's samples still on the device, go to the others' devices first."""
+        try:
+            self.ranks.wake()
+            batch = ScheduledBatch(seqs, [1] * len(seqs), False)
+            shape = None if ids is None else tuple(ids.shape)
+            self.group.broadcast_object(self.steps.build(batch, device_ids=shape, launch=True))
+            if ids is not None:
+                ids = self.group.broadcast(ids.contiguous())
+            return super().launch_decode(seqs, ids)
+        except RankFailure as e:
+            raise self._failure(e) from e
+
     def _record_pipeline_leaves(self) -> None:
         """Every request that leaves a pipeline row here (the scheduler finishes or preempts it)
         is told to the other ranks, in order with the conversions, so their rows stay rank 0's."""

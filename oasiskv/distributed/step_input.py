@@ -5,12 +5,16 @@ request that has run, holding what their model runner reads: its tokens, page ta
 count, host extent and, once sparse, their own working set (of their own KV heads). Before a
 step rank 0 sends a `StepInput` with what changed since the last one (as vLLM's scheduler
 output does), and every rank then runs the same batch. Sampled tokens are rank 0's: the
-others' samples are dropped, and rank 0's arrive with the next step.
+others' samples are dropped, and rank 0's arrive with the next step. Under async scheduling a
+step's inputs are rank 0's samples of the step still running: they go from rank 0's device to
+the others' (`ParallelGroup.broadcast`), and reach the mirrors' token lists a step later (a
+token still on the device stands as `PENDING` in both).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from oasiskv.engine.llm_engine import PENDING
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.sampling_params import SamplingParams
@@ -20,7 +24,8 @@ from oasiskv.sparse.host_pool import HostExtent
 @dataclass(slots=True)
 class RequestUpdate:
     request_id: str
-    new_tokens: list[int]  # the tokens past those the ranks hold (the whole prompt at first sight)
+    new_tokens: list[int]  # the known tokens past those the ranks hold (the whole prompt at first sight)
+    pending: int  # tokens after them still on the device (async scheduling), PENDING until known
     num_cached_tokens: int
     convert_early: bool
     sparse: bool
@@ -58,12 +63,14 @@ class StepInput:
     # the ranks' rows position by position).
     row_changes: list[Conversion | LeavePipeline] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # requests gone since the last step
+    launch: bool = False  # a decode step that does not wait for its tokens (`launch_decode`)
+    device_ids: tuple[int, ...] | None = None  # launch: the shape of rank 0's input ids, broadcast next
 
 
 @dataclass(slots=True)
 class _Sent:
     seq: Sequence
-    num_tokens: int
+    num_tokens: int  # known tokens sent
     pages: list[int]
     has_extent: bool
 
@@ -81,12 +88,13 @@ class StepInputBuilder:
     def record_leave(self, seq: Sequence) -> None:
         self.row_changes.append(LeavePipeline(seq.request_id))
 
-    def build(self, batch: ScheduledBatch) -> StepInput:
+    def build(self, batch: ScheduledBatch, device_ids: tuple[int, ...] | None = None,
+              launch: bool = False) -> StepInput:
         gone = [rid for rid, s in self.sent.items() if s.seq.is_finished]
         for rid in gone:
             del self.sent[rid]
         step = StepInput([self._update(seq) for seq in batch.seqs], list(batch.num_tokens), batch.is_prefill,
-                         self.row_changes, gone)
+                         self.row_changes, gone, launch, device_ids)
         self.row_changes = []
         return step
 
@@ -95,7 +103,13 @@ class StepInputBuilder:
         first = s is None or s.seq is not seq
         if first:
             s = self.sent[seq.request_id] = _Sent(seq, 0, [], False)
-        u = RequestUpdate(seq.request_id, seq.token_ids[s.num_tokens:], seq.num_cached_tokens, seq.convert_early,
+        out = seq.output_token_ids
+        pending = 0
+        while pending < len(out) and out[-1 - pending] == PENDING:
+            pending += 1
+        known = seq.num_tokens - pending
+        u = RequestUpdate(seq.request_id, seq.token_ids[s.num_tokens:known], pending, seq.num_cached_tokens,
+                          seq.convert_early,
                           seq.sparse is not None,
                           draft=seq.sparse.draft if seq.sparse is not None else None,
                           row=seq.sparse.row if seq.sparse is not None else None)
@@ -106,7 +120,7 @@ class StepInputBuilder:
             u.pages = s.pages = list(seq.pages)
         if seq.host_extent is not None and not s.has_extent:
             u.host_extent, s.has_extent = seq.host_extent, True
-        s.num_tokens = seq.num_tokens
+        s.num_tokens = known
         return u
 
 
@@ -146,7 +160,11 @@ class RequestMirror:
             prompt, out = u.new_tokens[:u.num_prompt_tokens], u.new_tokens[u.num_prompt_tokens:]
             seq = self.seqs[u.request_id] = Sequence(u.request_id, prompt, u.params, output_token_ids=out)
         else:
-            seq.output_token_ids.extend(u.new_tokens)
+            out = seq.output_token_ids
+            while out and out[-1] == PENDING:  # known now: among the new tokens
+                out.pop()
+            out.extend(u.new_tokens)
+        seq.output_token_ids.extend([PENDING] * u.pending)
         seq.num_cached_tokens, seq.convert_early = u.num_cached_tokens, u.convert_early
         if u.pages is not None:
             seq.pages = u.pages
