@@ -107,9 +107,11 @@ class StepInputBuilder:
         pending = 0
         while pending < len(out) and out[-1 - pending] == PENDING:
             pending += 1
-        known = seq.num_tokens - pending
-        u = RequestUpdate(seq.request_id, seq.token_ids[s.num_tokens:known], pending, seq.num_cached_tokens,
-                          seq.convert_early,
+        known, prompt = seq.num_tokens - pending, len(seq.prompt_token_ids)
+        # Past the prompt, the new tokens come from the output alone: `token_ids` copies the context.
+        new = seq.token_ids[s.num_tokens:known] if s.num_tokens < prompt else \
+            out[s.num_tokens - prompt:known - prompt]
+        u = RequestUpdate(seq.request_id, new, pending, seq.num_cached_tokens, seq.convert_early,
                           seq.sparse is not None,
                           draft=seq.sparse.draft if seq.sparse is not None else None,
                           row=seq.sparse.row if seq.sparse is not None else None)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Tensor parallelism on the GPUs (docs/tensor_parallel.md): `bench decode` at tensor-parallel
+# size 1 and 2 side by side, a 32B-shaped model that needs two GPUs, `bench serve` at size 2.
+# JSON, logs and the markdown table (tp_decode.md, from scripts/tp_decode_table.py) go to $OUT.
+#
+#   run(kind="nvidia-h200-x2", command="bash scripts/gpu_bench_tp.sh decode")   # sizes 1 and 2, 8B and 32B
+#   run(kind="nvidia-h200-x2", carry=[".gpu_site"], command="bash scripts/gpu_bench_tp.sh serve")  # 24 x (1K, 10K)
+#   run(kind="nvidia-h200", command="bash scripts/gpu_bench_tp.sh tp1")         # the size-1 part on one GPU
+#
+# Sizes change without editing: MODEL, BIG_MODEL (BIG= skips it), CONTEXT, HOST_KV_GB (the whole
+# engine's: each rank pins its share), STEPS, DECODE_EXTRA (more bench flags, e.g. a small
+# --kv-cache-gb for a CPU smoke run). Each bench is one process (every size's runs in it).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=.:.gpu_site
+MODEL=${MODEL:-qwen3-8b}
+BIG_MODEL=${BIG_MODEL-qwen3-32b}
+CONTEXT=${CONTEXT:-32768}
+HOST_KV_GB=${HOST_KV_GB:-160}
+STEPS=${STEPS:-32}
+bench() {  # NAME FLAGS...: the CLI's `bench decode` without importing the rest of the CLI
+  local name=$1; shift
+  echo "=== $name: bench decode $*"
+  timeout "${BENCH_S:-400}" python3 -c "import sys, argparse
+from oasiskv.bench.decode import add_decode_args, run_decode_bench
+from oasiskv.entrypoints.args import add_engine_args
+p = argparse.ArgumentParser(); add_decode_args(p); add_engine_args(p)
+sys.exit(run_decode_bench(p.parse_args(sys.argv[1:])))" --load-format dummy --host-kv-gb "$HOST_KV_GB" \
+    --context-lens "$CONTEXT" --steps "$STEPS" --sweep ${DECODE_EXTRA:-} "$@" \
+    --output-json "$OUT/decode_$name.json" 2>&1 | tee "$OUT/decode_$name.log"
+}
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+free -g | head -2
+case "${1:-decode}" in
+decode|tp1)
+  bench tp1 --model "$MODEL" --batch-sizes 16
+  if [ "$1" = decode ]; then
+    bench tp2 --model "$MODEL" --batch-sizes 16,32 --tensor-parallel-size 2
+    [ -n "$BIG_MODEL" ] && bench big_tp2 --model "$BIG_MODEL" --batch-sizes 8 --tensor-parallel-size 2
+  fi
+  python3 scripts/tp_decode_table.py "$OUT" | tee "$OUT/tp_decode.md"
+  ;;
+serve)  # the reasoning-shaped load at size 2, dense then sparse (scripts/gpu_bench_serve.sh)
+  SERVE_EXTRA="-tp 2 ${SERVE_EXTRA:-}" SCENARIOS=${SCENARIOS:-r24x10k} OUT="$OUT/serve_tp2" \
+    bash scripts/gpu_bench_serve.sh scenarios
+  ;;
+*)
+  echo "usage: bash scripts/gpu_bench_tp.sh [decode|tp1|serve]" >&2
+  exit 2
+  ;;
+esac
