@@ -3,19 +3,22 @@
 # size 1 and 2 side by side, a 32B-shaped model that needs two GPUs, `bench serve` at size 2.
 # JSON, logs and the markdown table (tp_decode.md, from scripts/tp_decode_table.py) go to $OUT.
 #
-#   run(kind="nvidia-h200-x2", command="bash scripts/gpu_bench_tp.sh decode")   # sizes 1 and 2, 8B and 32B
+#   run(kind="nvidia-h200-x2", command="bash scripts/gpu_bench_tp.sh decode")   # tp1, tp2 and big below
 #   run(kind="nvidia-h200-x2", carry=[".gpu_site"], command="bash scripts/gpu_bench_tp.sh serve")  # 24 x (1K, 10K)
-#   run(kind="nvidia-h200", command="bash scripts/gpu_bench_tp.sh tp1")         # the size-1 part on one GPU
+#   run(kind="nvidia-h200", command="bash scripts/gpu_bench_tp.sh tp1")         # the size-1 part, on one GPU
+# `tp1`, `tp2` and `big` run one part each (if `decode` does not fit one call): size 1 at batch
+# 16; size 2 at batches 16 and 32; the 32B shape at size 2, batches 8 and 16. Each part is one
+# process (dense and sparse side by side); every part rewrites tp_decode.md from the JSON in $OUT.
 #
-# Sizes change without editing: MODEL, BIG_MODEL (BIG= skips it), CONTEXT, HOST_KV_GB (the whole
-# engine's: each rank pins its share), STEPS, DECODE_EXTRA (more bench flags, e.g. a small
-# --kv-cache-gb for a CPU smoke run). Each bench is one process (every size's runs in it).
+# Sizes change without editing: MODEL, BIG_MODEL, CONTEXT, HOST_KV_GB (the whole engine's: each
+# rank pins its share), STEPS, BENCH_S (seconds per part), DECODE_EXTRA (more bench flags, e.g.
+# a small --kv-cache-gb for a CPU smoke run).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=.:.gpu_site
 MODEL=${MODEL:-qwen3-8b}
-BIG_MODEL=${BIG_MODEL-qwen3-32b}
+BIG_MODEL=${BIG_MODEL:-qwen3-32b}
 CONTEXT=${CONTEXT:-32768}
 HOST_KV_GB=${HOST_KV_GB:-160}
 STEPS=${STEPS:-32}
@@ -32,13 +35,12 @@ sys.exit(run_decode_bench(p.parse_args(sys.argv[1:])))" --load-format dummy --ho
 }
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 free -g | head -2
-case "${1:-decode}" in
-decode|tp1)
-  bench tp1 --model "$MODEL" --batch-sizes 16
-  if [ "$1" = decode ]; then
-    bench tp2 --model "$MODEL" --batch-sizes 16,32 --tensor-parallel-size 2
-    [ -n "$BIG_MODEL" ] && bench big_tp2 --model "$BIG_MODEL" --batch-sizes 8 --tensor-parallel-size 2
-  fi
+part=${1:-decode}
+case "$part" in
+decode|tp1|tp2|big)
+  case "$part" in decode|tp1) bench tp1 --model "$MODEL" --batch-sizes 16 ;; esac
+  case "$part" in decode|tp2) bench tp2 --model "$MODEL" --batch-sizes 16,32 --tensor-parallel-size 2 ;; esac
+  case "$part" in decode|big) bench big_tp2 --model "$BIG_MODEL" --batch-sizes 8,16 --tensor-parallel-size 2 ;; esac
   python3 scripts/tp_decode_table.py "$OUT" | tee "$OUT/tp_decode.md"
   ;;
 serve)  # the reasoning-shaped load at size 2, dense then sparse (scripts/gpu_bench_serve.sh)
@@ -46,7 +48,7 @@ serve)  # the reasoning-shaped load at size 2, dense then sparse (scripts/gpu_be
     bash scripts/gpu_bench_serve.sh scenarios
   ;;
 *)
-  echo "usage: bash scripts/gpu_bench_tp.sh [decode|tp1|serve]" >&2
+  echo "usage: bash scripts/gpu_bench_tp.sh [decode|tp1|tp2|big|serve]" >&2
   exit 2
   ;;
 esac

@@ -262,7 +262,7 @@ class DecodeBench:
             p.cached.fill_(context - 1)
             p.active.fill_(True)
             use_graph = r.device.type == "cuda" and not r.cfg.enforce_eager  # eager above size 1
-            p.timing = PipelineTiming(mc.num_layers) if use_graph else None
+            p.timing = PipelineTiming(mc.num_layers) if r.device.type == "cuda" else None  # eager too (size > 1)
             if gemm_sm_carveout is not None:
                 p.gemm_sm_carveout = gemm_sm_carveout
             if attention_stages is not None:
