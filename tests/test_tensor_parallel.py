@@ -209,11 +209,15 @@ def test_reduced_qwen3_sizes_2_and_4_dense_and_sparse(reduced):
 def test_reduced_qwen3_sizes_2_and_4_async_dense(reduced):
     """Dense steps launched before the last one's tokens are read, at sizes 2 and 4: every
     rank's inputs are rank 0's samples, broadcast on the device; a greedy and a seeded sampled
-    request give size 1's (synchronous) tokens."""
+    request give size 1's (synchronous) tokens, and a third ends on a stop token while its next
+    step runs."""
     gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (9, 50)]
-    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)]
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (9, 50, 30)]
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True),
+              replace(GREEDY, max_tokens=16)]
+    params[2].stop_token_ids = [reduced[1].generate(prompts[2], GREEDY)[0].token_ids[6]]
     want = [o.token_ids for o in reduced[1].generate(prompts, params)]
+    assert len(want[2]) < 16
     for n in (2, 4):
         engine = reduced[n].engine
         before = engine.step_stats["overlapped_steps"]
@@ -248,9 +252,10 @@ def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path, async_scheduling):
     """The batched pipeline on each rank (its torch stages on CPU), K = 8 blocks, so rows evict
     and fetch. After the same step the first request finishes (the last row moves into its
     row) and the third converts (it takes the next row): the other rank replays both in rank
-    0's order, so every row holds the same request on both ranks. Size 1's tokens (synchronous),
-    also when the steps of sparse rows overlap (async: each step's inputs are rank 0's samples
-    of the step before, broadcast on the device)."""
+    0's order, so every row holds the same request on both ranks. The second request ends on a
+    stop token (under async scheduling while its next step runs: its row moves then). Size 1's
+    tokens (synchronous), also when the steps of sparse rows overlap (async: each step's inputs
+    are rank 0's samples of the step before, broadcast on the device)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(REDUCED_QWEN3))
     args = dict(load_format="dummy", max_model_len=1024, sparse=True, sparse_pipeline="on", top_k_blocks=8,
@@ -260,6 +265,7 @@ def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path, async_scheduling):
     # the third converts after the step that gives its 7th token, when the first ends
     params = [replace(GREEDY, max_tokens=n) for n in (7, 28, 20)]
     one = LLM(str(path), **args)
+    params[1].stop_token_ids = [one.generate(prompts[1], params[1])[0].token_ids[20]]
     want = one.generate(prompts, params)
     two = LLM(str(path), tensor_parallel_size=2, distributed_timeout_s=30, async_scheduling=async_scheduling,
               **args)
@@ -274,6 +280,7 @@ def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path, async_scheduling):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.stats["sparse_steps"] for o in got] == [o.stats["sparse_steps"] for o in want]
     assert want[1].stats["evicted"] > 0 and got[1].stats["evicted"] > 0
+    assert want[1].finish_reason == "stop" and len(want[1].token_ids) < 28
 
 
 def test_a_hung_rank_ends_the_engine_within_the_timeout(reduced):
