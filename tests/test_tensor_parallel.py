@@ -20,6 +20,7 @@ import torch
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import EngineConfig
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server
+from oasiskv.distributed.every_rank import run_on_every_rank
 from oasiskv.distributed.group import RankFailure, free_port, init_group
 from oasiskv.distributed.model import ParallelLlamaForCausalLM
 from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
@@ -301,6 +302,27 @@ def test_a_killed_rank_ends_the_engine_with_an_error(reduced):
     with pytest.raises(RankFailure, match="rank 1 exited with code -9"):
         llm.generate([1, 2, 3], GREEDY)
     assert time.monotonic() - t0 < 10
+
+
+def _sum_of_ranks(group) -> int:
+    return int(group.all_reduce(torch.tensor([group.rank])).item())
+
+
+def _fail_on_rank_1(group) -> None:
+    if group.rank == 1:
+        raise ValueError("rank 1 fails here")
+    group.all_reduce(torch.zeros(1))  # rank 0 waits for a rank that is gone
+
+
+def test_a_function_on_every_rank():
+    """`bench decode`'s launcher (`run_on_every_rank`): rank 0 returns its result, and a rank
+    that raises ends it with a RankFailure carrying that rank's error."""
+    cfg = EngineConfig(tensor_parallel_size=2, distributed_timeout_s=10, device="cpu")
+    assert run_on_every_rank(cfg, _sum_of_ranks) == 1
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 raised:(.|\n)*rank 1 fails here"):
+        run_on_every_rank(cfg, _fail_on_rank_1)
+    assert time.monotonic() - t0 < 30
 
 
 def _spawned_ranks(pid: int) -> list[int]:
