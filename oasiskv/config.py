@@ -73,15 +73,10 @@ class EngineConfig:
                              f"blocks ({sc.sink_blocks} + {sc.window_blocks}) x block size {self.block_size}")
 
     def _check_parallel(self) -> None:
-        """Tensor parallelism steps synchronously, with sparse decode on the in-line path."""
-        if self.async_scheduling == "on" or self.sparse_pipeline == "on":
-            raise ValueError("--tensor-parallel-size > 1 runs without async scheduling and with "
-                             "--sparse-pipeline off")
         if self.drafter == "oracle":
             raise ValueError("the oracle drafter does not run with --tensor-parallel-size > 1")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
-        self.async_scheduling, self.sparse_pipeline = "off", "off"
 
     def sparse_config(self) -> SparseConfig:
         return SparseConfig(enabled=self.sparse, top_k_blocks=self.top_k_blocks, sink_blocks=self.sink_blocks,

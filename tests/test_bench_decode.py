@@ -159,3 +159,31 @@ def test_bench_decode_sparse_out_of_gpu_memory_is_a_row_that_does_not_fit(tmp_pa
     assert [r["fits"] for r in sparse] == [False, False]  # the sweep went on past the first
     assert "beside the KV pool" in sparse[0]["why"]
     assert [r["fits"] for r in res["runs"] if r["mode"] == "dense"] == [True, True]
+
+
+REDUCED_QWEN3 = {"model_type": "qwen3", "vocab_size": 1001, "hidden_size": 256, "intermediate_size": 512,
+                 "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                 "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+
+
+def test_bench_decode_at_tensor_parallel_size_2(tmp_path):
+    """Every rank fills and decodes its own shard (a reduced Qwen3 shape: 4 KV heads, 2 a rank);
+    the figures are one GPU's: half of size 1's KV bytes, its shard's weights, fetches within
+    its heads' cap."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    flags = ["--model", str(path), "--context-len", "600", "--batch-size", "2", "--async-scheduling", "on",
+             "--host-kv-gb", "0.1", "--kv-cache-gb", "0.05"]
+    one, two = run_bench(tmp_path, *flags), run_bench(tmp_path, *flags, "--tensor-parallel-size", "2")
+    assert (one["tensor_parallel_size"], two["tensor_parallel_size"]) == (1, 2)
+    for a, b in zip(one["runs"], two["runs"]):
+        assert a["mode"] == b["mode"] and b["fits"] and b["async_scheduling"]
+        assert b["kv_read_bytes_per_step"] == a["kv_read_bytes_per_step"] / 2
+        # q, k, v, o, gate, up, down halved; norms whole; the LM head's 501 of 1001 rows
+        layer = 256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 512
+        assert a["weight_bytes"] == 4 * (3 * (layer + 2 * 256 + 2 * 32) + 1001 * 256 + 256)
+        assert b["weight_bytes"] == 4 * (3 * (layer // 2 + 2 * 256 + 2 * 32) + 501 * 256 + 256)
+    sparse = two["runs"][1]
+    item = 2 * 16 * 32 * 4
+    assert 0 < sparse["fetched_bytes_per_step"] <= sparse["cap"] * 2 * 2 * 3 * item  # batch x heads x layers
+    assert 0 <= sparse["hit_rate"] <= 1

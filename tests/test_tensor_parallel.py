@@ -20,6 +20,7 @@ import torch
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import EngineConfig
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server
+from oasiskv.distributed.every_rank import run_on_every_rank
 from oasiskv.distributed.group import RankFailure, free_port, init_group
 from oasiskv.distributed.model import ParallelLlamaForCausalLM
 from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
@@ -76,11 +77,10 @@ def test_shards_rebuild_every_tensor():
     assert torch.equal(torch.cat(parts)[:cfg.vocab_size], emb)
 
 
-def test_settings_above_size_1_step_synchronously_in_line():
+def test_settings_above_size_1():
     cfg = EngineConfig(tensor_parallel_size=2)
-    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("off", "off")
-    assert EngineConfig().async_scheduling == "auto"  # size 1 untouched
-    for bad in (dict(async_scheduling="on"), dict(sparse_pipeline="on"), dict(drafter="oracle")):
+    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("auto", "auto")
+    for bad in (dict(drafter="oracle"), dict(distributed_timeout_s=0)):
         with pytest.raises(ValueError):
             EngineConfig(tensor_parallel_size=2, **bad)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -207,6 +207,29 @@ def test_reduced_qwen3_sizes_2_and_4_dense_and_sparse(reduced):
         assert got[2].stats["sparse_steps"] == 15 and "sparse_steps" not in got[0].stats
 
 
+def test_reduced_qwen3_sizes_2_and_4_async_dense(reduced):
+    """Dense steps launched before the last one's tokens are read, at sizes 2 and 4: every
+    rank's inputs are rank 0's samples, broadcast on the device; a greedy and a seeded sampled
+    request give size 1's (synchronous) tokens, and a third ends on a stop token while its next
+    step runs."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (9, 50, 30)]
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True),
+              replace(GREEDY, max_tokens=16)]
+    params[2].stop_token_ids = [reduced[1].generate(prompts[2], GREEDY)[0].token_ids[6]]
+    want = [o.token_ids for o in reduced[1].generate(prompts, params)]
+    assert len(want[2]) < 16
+    for n in (2, 4):
+        engine = reduced[n].engine
+        before = engine.step_stats["overlapped_steps"]
+        engine.async_scheduling = True  # the engine reads it each step (auto is off on CPU)
+        try:
+            assert [o.token_ids for o in reduced[n].generate(prompts, params)] == want, n
+        finally:
+            engine.async_scheduling = False
+        assert engine.step_stats["overlapped_steps"] - before >= 10
+
+
 def test_reduced_qwen3_size_2_preempted_requests(reduced, tmp_path):
     """Ten pages for four requests of four pages each: rank 0's scheduler preempts, the other
     rank's mirror drops the pages and recomputes with it; the tokens are size 1's."""
@@ -223,6 +246,42 @@ def test_reduced_qwen3_size_2_preempted_requests(reduced, tmp_path):
         assert llm.engine.scheduler.num_preemptions > 0
     finally:
         _stop(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path, async_scheduling):
+    """The batched pipeline on each rank (its torch stages on CPU), K = 8 blocks, so rows evict
+    and fetch. After the same step the first request finishes (the last row moves into its
+    row) and the third converts (it takes the next row): the other rank replays both in rank
+    0's order, so every row holds the same request on both ranks. The second request ends on a
+    stop token (under async scheduling while its next step runs: its row moves then). Size 1's
+    tokens (synchronous), also when the steps of sparse rows overlap (async: each step's inputs
+    are rank 0's samples of the step before, broadcast on the device)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REDUCED_QWEN3))
+    args = dict(load_format="dummy", max_model_len=1024, sparse=True, sparse_pipeline="on", top_k_blocks=8,
+                window_blocks=2, sink_blocks=1, sparse_threshold=256, fetch_ratio=0.25, host_kv_gb=0.05)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (400, 330, 250)]
+    # the third converts after the step that gives its 7th token, when the first ends
+    params = [replace(GREEDY, max_tokens=n) for n in (7, 28, 20)]
+    one = LLM(str(path), **args)
+    params[1].stop_token_ids = [one.generate(prompts[1], params[1])[0].token_ids[20]]
+    want = one.generate(prompts, params)
+    two = LLM(str(path), tensor_parallel_size=2, distributed_timeout_s=30, async_scheduling=async_scheduling,
+              **args)
+    try:
+        leaves, changes = [], two.engine.runner.steps.record_leave
+        two.engine.runner.steps.record_leave = lambda seq: (leaves.append(seq.request_id), changes(seq))
+        got = two.generate(prompts, params)
+        assert two.engine.runner.pipeline.num_rows == 0 and len(leaves) == 3
+        assert (two.engine.step_stats["overlapped_steps"] > 10) == (async_scheduling == "on")
+    finally:
+        _stop(two)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.stats["sparse_steps"] for o in got] == [o.stats["sparse_steps"] for o in want]
+    assert want[1].stats["evicted"] > 0 and got[1].stats["evicted"] > 0
+    assert want[1].finish_reason == "stop" and len(want[1].token_ids) < 28
 
 
 def test_a_hung_rank_ends_the_engine_within_the_timeout(reduced):
@@ -243,6 +302,27 @@ def test_a_killed_rank_ends_the_engine_with_an_error(reduced):
     with pytest.raises(RankFailure, match="rank 1 exited with code -9"):
         llm.generate([1, 2, 3], GREEDY)
     assert time.monotonic() - t0 < 10
+
+
+def _sum_of_ranks(group) -> int:
+    return int(group.all_reduce(torch.tensor([group.rank])).item())
+
+
+def _fail_on_rank_1(group) -> None:
+    if group.rank == 1:
+        raise ValueError("rank 1 fails here")
+    group.all_reduce(torch.zeros(1))  # rank 0 waits for a rank that is gone
+
+
+def test_a_function_on_every_rank():
+    """`bench decode`'s launcher (`run_on_every_rank`): rank 0 returns its result, and a rank
+    that raises ends it with a RankFailure carrying that rank's error."""
+    cfg = EngineConfig(tensor_parallel_size=2, distributed_timeout_s=10, device="cpu")
+    assert run_on_every_rank(cfg, _sum_of_ranks) == 1
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 raised:(.|\n)*rank 1 fails here"):
+        run_on_every_rank(cfg, _fail_on_rank_1)
+    assert time.monotonic() - t0 < 30
 
 
 def _spawned_ranks(pid: int) -> list[int]:

@@ -105,7 +105,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 class DecodeBench:
     """One model, one GPU page pool and one host pool, reused by every run of one invocation."""
 
-    def __init__(self, args):
+    def __init__(self, args, group=None):
+        """group: this rank's ParallelGroup when every rank runs the benchmark (size > 1): the
+        runner, the pools and every figure are then the rank's own shard's."""
         from oasiskv.engine.model_runner import ModelRunner
 
         self.args = args
@@ -113,14 +115,20 @@ class DecodeBench:
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         self.tail = args.warmup + args.steps + 2 * 16 + 1  # room for decoded tokens and capture warm-ups
         cfg = engine_config(args)
-        if cfg.tensor_parallel_size > 1:  # it drives one ModelRunner directly, not the engine
-            raise ValueError("bench decode runs one rank: --tensor-parallel-size > 1 is not supported here yet")
         cfg = dataclasses.replace(cfg, sparse=False, max_model_len=max(contexts) + self.tail,
                                   max_num_seqs=max(max(batches), args.batch_size))
         t0 = time.perf_counter()
-        self.runner = r = ModelRunner(cfg)
+        if group is None:
+            self.runner = r = ModelRunner(cfg)
+        else:
+            from oasiskv.distributed.worker import ParallelModelRunner
+            self.runner = r = ParallelModelRunner(cfg, group)
+        self.group = group
         self.load_s = time.perf_counter() - t0
-        self.mc, self.bs = r.model_config, r.block_size
+        self.mc, self.bs = r.model_config, r.block_size  # the rank's heads at size > 1
+        # Every byte figure is one GPU's: above size 1 its shard's weights (its vocabulary rows),
+        # its heads' KV and summaries, its own fetches; the roofline is then one GPU's bandwidth.
+        self.weight_config = self.mc if group is None else dataclasses.replace(self.mc, vocab_size=r.plan.vocab_shard)
         r.kv.normal_()  # synthetic KV everywhere in the GPU pool
         self.host = None
         self.host_setup_s = self.host_huge_gb = None
@@ -253,8 +261,8 @@ class DecodeBench:
             del lo
             p.cached.fill_(context - 1)
             p.active.fill_(True)
-            use_graph = r.device.type == "cuda" and not self.args.enforce_eager
-            p.timing = PipelineTiming(mc.num_layers) if use_graph else None
+            use_graph = r.device.type == "cuda" and not r.cfg.enforce_eager  # eager above size 1
+            p.timing = PipelineTiming(mc.num_layers) if r.device.type == "cuda" else None  # eager too (size > 1)
             if gemm_sm_carveout is not None:
                 p.gemm_sm_carveout = gemm_sm_carveout
             if attention_stages is not None:
@@ -264,7 +272,9 @@ class DecodeBench:
             if tma_stages is not None:
                 p.transfer_tma_stages = tma_stages
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
-            ids = torch.randint(0, mc.vocab_size, (batch * 2,), device=r.device)
+            # Seeded on the host: every rank feeds the same tokens (the vocabulary is split over them).
+            gen = torch.Generator().manual_seed(1)
+            ids = torch.randint(0, mc.vocab_size, (batch * 2,), generator=gen).to(r.device)
 
             in_flight = None
             budgeted = p.budget.enabled
@@ -333,7 +343,7 @@ class DecodeBench:
         if self.host is None:
             mc, r = self.mc, self.runner
             t0 = time.perf_counter()
-            self.host = HostKVPool(self.args.host_kv_gb, self.bs, mc.head_dim, r.dtype, pin=r.device.type == "cuda",
+            self.host = HostKVPool(r.cfg.host_kv_gb, self.bs, mc.head_dim, r.dtype, pin=r.device.type == "cuda",
                                    huge_pages=self.args.host_pages == "huge")
             flat = self.host.items.view(-1)
             chunk = torch.randn(min(flat.numel(), 2**28), dtype=r.dtype, device=r.device)
@@ -380,7 +390,7 @@ class DecodeBench:
                 "late_layer_share": sum(late) / (samples * n), "foreground_ms": sum(fg) / samples}
 
     def _result(self, mode, batch, context, seconds, kv_read, summaries, fetched) -> dict:
-        weights = weight_bytes_per_step(self.mc, self.runner.dtype.itemsize)
+        weights = weight_bytes_per_step(self.weight_config, self.runner.dtype.itemsize)
         hbm_s = (weights + kv_read + summaries + fetched) / HBM_BYTES_PER_S  # fetched items land in HBM
         pcie_s = fetched / PCIE_BYTES_PER_S
         return {
@@ -404,11 +414,12 @@ class DecodeBench:
         dense_max = int(budget // (self.blocks(context) * self.page_bytes))
         per_sparse = self.sparse_cfg.working_set_blocks * self.page_bytes + self.summary_bytes(context)
         sparse_gpu_max = int(budget // per_sparse)
-        host_max = int(self.args.host_kv_gb * 2**30 // self.host_bytes(context))
+        host_gb = self.runner.cfg.host_kv_gb  # the rank's share above size 1
+        host_max = int(host_gb * 2**30 // self.host_bytes(context))
         sparse_max = min(sparse_gpu_max, host_max)
         out = {"context": context, "gpu_kv_gb": gpu_kv_gb, "dense_max_batch": dense_max,
                "sparse_max_batch_gpu": sparse_gpu_max, "sparse_max_batch_host": host_max,
-               "host_kv_gb": self.args.host_kv_gb, "sparse_max_batch": sparse_max,
+               "host_kv_gb": host_gb, "sparse_max_batch": sparse_max,
                "bound": "host RAM" if host_max < sparse_gpu_max else "GPU memory"}
         out["dense"] = self.run_dense(dense_max, context) if dense_max else self._no_fit("dense", 0, context, "0")
         out["sparse"] = self.run_sparse(sparse_max, context) if sparse_max else self._no_fit("sparse", 0, context, "0")
@@ -470,14 +481,25 @@ def run_decode_bench(args) -> int:
         raise ValueError(f"--transfer-tma-stages takes counts >= 0, not {args.transfer_tma_stages!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
         raise ValueError(f"--gemm-sm-carveouts takes counts >= 0, not {args.gemm_sm_carveouts!r}")
+    cfg = engine_config(args)
+    if cfg.tensor_parallel_size > 1:
+        from oasiskv.distributed.every_rank import run_on_every_rank
+        return run_on_every_rank(cfg, decode_bench_on_rank, args)
+    return decode_bench_on_rank(None, args)
+
+
+def decode_bench_on_rank(group, args) -> int:
+    """The benchmark on one rank (group None: size 1); rank 0 prints and saves the results."""
     if args.blas_library != "default":
         torch.backends.cuda.preferred_blas_library(args.blas_library)
-    bench = DecodeBench(args)
+    bench = DecodeBench(args, group)
+    rank_0 = group is None or group.rank == 0
     result = {"model": bench.mc.name, "dtype": str(bench.runner.dtype).removeprefix("torch."),
               "device": torch.cuda.get_device_name() if bench.runner.device.type == "cuda" else "cpu",
               "top_k_blocks": bench.sparse_cfg.top_k_blocks, "sink_blocks": bench.sparse_cfg.sink_blocks,
               "window_blocks": bench.sparse_cfg.window_blocks, "fetch_ratio": bench.sparse_cfg.fetch_ratio,
-              "transfer_programs": args.transfer_programs.split(","), "steps": args.steps, "runs": []}
+              "transfer_programs": args.transfer_programs.split(","), "steps": args.steps,
+              "tensor_parallel_size": 1 if group is None else group.size, "runs": []}
     modes = ["dense", "sparse"] if args.mode == "both" else [args.mode]
     def record(run: dict) -> None:  # print and save as each run ends: a crash keeps what ran
         if not result["runs"]:
@@ -488,7 +510,7 @@ def run_decode_bench(args) -> int:
 
     def save() -> None:
         result.update(host_pages=args.host_pages, host_setup_s=bench.host_setup_s, host_huge_gb=bench.host_huge_gb)
-        if args.output_json:
+        if args.output_json and rank_0:
             with open(args.output_json, "w") as f:
                 json.dump(result, f, indent=2)
 
@@ -548,7 +570,7 @@ def run_decode_bench(args) -> int:
             print(f"sparse / dense at batch {s['batch']}, context {s['context']}, async scheduling "
                   f"{'on' if s['async_scheduling'] else 'off'}: {s['speedup']:.2f}x output tok/s")
     save()
-    if args.plot and result["runs"]:
+    if args.plot and result["runs"] and rank_0:
         plot_sweep(result["runs"], args.plot)
     return 0
 

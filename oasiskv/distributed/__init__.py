@@ -8,4 +8,5 @@ step_input.py  what rank 0 tells the other ranks each step, and their mirror of 
 worker.py    a rank's model runner and the loop of a rank other than 0
 executor.py  rank 0: starts the other ranks, sends each step's inputs, turns a failed rank
              into an error
+every_rank.py  one function run whole on every rank (`bench decode` above size 1)
 """

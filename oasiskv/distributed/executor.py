@@ -25,15 +25,17 @@ from oasiskv.engine.sequence import Sequence
 
 
 class RankProcesses:
-    """The processes of ranks 1..N-1 and the pipe to each."""
+    """The processes of ranks 1..N-1 and the pipe to each; each runs
+    `target(rank, cfg, port, pipe, *target_args)` (default: the engine's rank loop)."""
 
-    def __init__(self, cfg: EngineConfig, port: int):
+    def __init__(self, cfg: EngineConfig, port: int, target=worker_main, target_args: tuple = ()):
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also keeps the ranks clean
         self.procs, self.conns, self.errors = [], [], {}
         self.failed = False  # after a failure the healthy ranks sit in a broken collective: no waiting on them
         for rank in range(1, cfg.tensor_parallel_size):
             ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(rank, cfg, port, theirs), name=f"oasiskv-tp-rank{rank}")
+            p = ctx.Process(target=target, args=(rank, cfg, port, theirs, *target_args),
+                            name=f"oasiskv-tp-rank{rank}")
             p.start()
             theirs.close()
             self.procs.append(p)
@@ -115,9 +117,12 @@ class DriverRunner(ParallelModelRunner):
             torch.cuda.set_device(device)
         self.ranks = RankProcesses(cfg, port)
         self._stopper = weakref.finalize(self, self.ranks.stop)
+        self.steps = StepInputBuilder()
         try:
             group = init_group(0, cfg.tensor_parallel_size, port, device, cfg.distributed_timeout_s)
             super().__init__(cfg, group)
+            if self.pipeline is not None:
+                self._record_pipeline_leaves()
             self.ranks.wait_ready(max(START_TIMEOUT_S, cfg.distributed_timeout_s))
         except RankFailure as e:
             error = self._failure(e)
@@ -126,7 +131,6 @@ class DriverRunner(ParallelModelRunner):
         except BaseException:
             self.shutdown()
             raise
-        self.steps = StepInputBuilder()
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         try:
@@ -135,6 +139,31 @@ class DriverRunner(ParallelModelRunner):
             return super().execute(batch)
         except RankFailure as e:
             raise self._failure(e) from e
+
+    def launch_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
+        """A decode step that does not wait for its tokens (async scheduling), on every rank:
+        `ids`, rank 0's samples still on the device, go to the others' devices first."""
+        try:
+            self.ranks.wake()
+            batch = ScheduledBatch(seqs, [1] * len(seqs), False)
+            shape = None if ids is None else tuple(ids.shape)
+            self.group.broadcast_object(self.steps.build(batch, device_ids=shape, launch=True))
+            if ids is not None:
+                ids = self.group.broadcast(ids.contiguous())
+            return super().launch_decode(seqs, ids)
+        except RankFailure as e:
+            raise self._failure(e) from e
+
+    def _record_pipeline_leaves(self) -> None:
+        """Every request that leaves a pipeline row here (the scheduler finishes or preempts it)
+        is told to the other ranks, in order with the conversions, so their rows stay rank 0's."""
+        leave = self.sparse.leave_pipeline
+
+        def leave_and_record(seq: Sequence) -> None:
+            if seq.sparse is not None and seq.sparse.row is not None:
+                self.steps.record_leave(seq)
+            leave(seq)
+        self.sparse.leave_pipeline = leave_and_record
 
     def _failure(self, e: RankFailure) -> RankFailure:
         """A collective's failure, with what happened to each rank (once: `RankProcesses.failure`

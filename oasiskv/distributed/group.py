@@ -49,6 +49,14 @@ class ParallelGroup:
         self._wait("all_gather", self.device_group.allgather([parts], [x.contiguous()]))
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x`, in place, on the device (async scheduling's
+        inputs: rank 0's samples, never read by the host)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait("broadcast", self.device_group.broadcast([x], opts))
+        return x
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (a KV pool size all ranks can hold); called
         while the ranks load, so it waits up to the start-up timeout."""

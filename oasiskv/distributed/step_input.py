@@ -5,12 +5,16 @@ request that has run, holding what their model runner reads: its tokens, page ta
 count, host extent and, once sparse, their own working set (of their own KV heads). Before a
 step rank 0 sends a `StepInput` with what changed since the last one (as vLLM's scheduler
 output does), and every rank then runs the same batch. Sampled tokens are rank 0's: the
-others' samples are dropped, and rank 0's arrive with the next step.
+others' samples are dropped, and rank 0's arrive with the next step. Under async scheduling a
+step's inputs are rank 0's samples of the step still running: they go from rank 0's device to
+the others' (`ParallelGroup.broadcast`), and reach the mirrors' token lists a step later (a
+token still on the device stands as `PENDING` in both).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from oasiskv.engine.llm_engine import PENDING
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.sampling_params import SamplingParams
@@ -20,7 +24,8 @@ from oasiskv.sparse.host_pool import HostExtent
 @dataclass(slots=True)
 class RequestUpdate:
     request_id: str
-    new_tokens: list[int]  # the tokens past those the ranks hold (the whole prompt at first sight)
+    new_tokens: list[int]  # the known tokens past those the ranks hold (the whole prompt at first sight)
+    pending: int  # tokens after them still on the device (async scheduling), PENDING until known
     num_cached_tokens: int
     convert_early: bool
     sparse: bool
@@ -29,6 +34,7 @@ class RequestUpdate:
     pages: list[int] | None = None  # None: unchanged
     host_extent: HostExtent | None = None  # when it first holds one
     draft: int | None = None  # a sparse request's draft token, chosen on rank 0
+    row: int | None = None  # its pipeline row on rank 0 (every rank's must be the same)
 
 
 @dataclass(slots=True)
@@ -41,18 +47,30 @@ class Conversion:
 
 
 @dataclass(slots=True)
+class LeavePipeline:
+    """Rank 0 took a request out of its pipeline row after the last step (finished or
+    preempted); the last row moved into its place (`LookaheadPipeline.release`)."""
+    request_id: str
+
+
+@dataclass(slots=True)
 class StepInput:
     requests: list[RequestUpdate]  # the batch, in order
     num_tokens: list[int]
     is_prefill: bool
-    conversions: list[Conversion] = field(default_factory=list)
+    # Conversions and pipeline leaves since the last step, in rank 0's order: each moves
+    # pipeline rows, and a row must hold the same request on every rank (the all-reduces add
+    # the ranks' rows position by position).
+    row_changes: list[Conversion | LeavePipeline] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # requests gone since the last step
+    launch: bool = False  # a decode step that does not wait for its tokens (`launch_decode`)
+    device_ids: tuple[int, ...] | None = None  # launch: the shape of rank 0's input ids, broadcast next
 
 
 @dataclass(slots=True)
 class _Sent:
     seq: Sequence
-    num_tokens: int
+    num_tokens: int  # known tokens sent
     pages: list[int]
     has_extent: bool
 
@@ -62,18 +80,22 @@ class StepInputBuilder:
 
     def __init__(self):
         self.sent: dict[str, _Sent] = {}
-        self.conversions: list[Conversion] = []
+        self.row_changes: list[Conversion | LeavePipeline] = []
 
     def record_conversion(self, seq: Sequence, pages: list[int]) -> None:
-        self.conversions.append(Conversion(seq.request_id, seq.num_cached_tokens, list(seq.pages), list(pages)))
+        self.row_changes.append(Conversion(seq.request_id, seq.num_cached_tokens, list(seq.pages), list(pages)))
 
-    def build(self, batch: ScheduledBatch) -> StepInput:
+    def record_leave(self, seq: Sequence) -> None:
+        self.row_changes.append(LeavePipeline(seq.request_id))
+
+    def build(self, batch: ScheduledBatch, device_ids: tuple[int, ...] | None = None,
+              launch: bool = False) -> StepInput:
         gone = [rid for rid, s in self.sent.items() if s.seq.is_finished]
         for rid in gone:
             del self.sent[rid]
         step = StepInput([self._update(seq) for seq in batch.seqs], list(batch.num_tokens), batch.is_prefill,
-                         self.conversions, gone)
-        self.conversions = []
+                         self.row_changes, gone, launch, device_ids)
+        self.row_changes = []
         return step
 
     def _update(self, seq: Sequence) -> RequestUpdate:
@@ -81,9 +103,18 @@ class StepInputBuilder:
         first = s is None or s.seq is not seq
         if first:
             s = self.sent[seq.request_id] = _Sent(seq, 0, [], False)
-        u = RequestUpdate(seq.request_id, seq.token_ids[s.num_tokens:], seq.num_cached_tokens, seq.convert_early,
+        out = seq.output_token_ids
+        pending = 0
+        while pending < len(out) and out[-1 - pending] == PENDING:
+            pending += 1
+        known, prompt = seq.num_tokens - pending, len(seq.prompt_token_ids)
+        # Past the prompt, the new tokens come from the output alone: `token_ids` copies the context.
+        new = seq.token_ids[s.num_tokens:known] if s.num_tokens < prompt else \
+            out[s.num_tokens - prompt:known - prompt]
+        u = RequestUpdate(seq.request_id, new, pending, seq.num_cached_tokens, seq.convert_early,
                           seq.sparse is not None,
-                          draft=seq.sparse.draft if seq.sparse is not None else None)
+                          draft=seq.sparse.draft if seq.sparse is not None else None,
+                          row=seq.sparse.row if seq.sparse is not None else None)
         if first:
             u.params = replace(seq.params, logits_processors=[])
             u.num_prompt_tokens = len(seq.prompt_token_ids)
@@ -91,7 +122,7 @@ class StepInputBuilder:
             u.pages = s.pages = list(seq.pages)
         if seq.host_extent is not None and not s.has_extent:
             u.host_extent, s.has_extent = seq.host_extent, True
-        s.num_tokens = seq.num_tokens
+        s.num_tokens = known
         return u
 
 
@@ -103,14 +134,17 @@ class RequestMirror:
         self.seqs: dict[str, Sequence] = {}
 
     def apply(self, step: StepInput) -> ScheduledBatch:
-        """Conversions first (they read the state of the step that decided them), then the
-        finished requests (their host extents go back before new ones are placed, as on rank 0),
-        then the batch's changes."""
+        """Conversions and pipeline leaves first, in rank 0's order (a conversion reads the state
+        of the step that decided it), then the finished requests (their host extents go back
+        before new ones are placed, as on rank 0), then the batch's changes."""
         r = self.runner
         recorded = {id(seq): q for seq, q in r.pending_conversions}
         r.pending_conversions = []
-        for c in step.conversions:
+        for c in step.row_changes:
             seq = self.seqs[c.request_id]
+            if isinstance(c, LeavePipeline):
+                r.sparse.leave_pipeline(seq)
+                continue
             if id(seq) not in recorded:
                 raise RuntimeError(f"request {c.request_id!r} converted on rank 0 but recorded no query here")
             seq.num_cached_tokens, seq.pages = c.num_cached_tokens, list(c.dense_pages)
@@ -128,7 +162,11 @@ class RequestMirror:
             prompt, out = u.new_tokens[:u.num_prompt_tokens], u.new_tokens[u.num_prompt_tokens:]
             seq = self.seqs[u.request_id] = Sequence(u.request_id, prompt, u.params, output_token_ids=out)
         else:
-            seq.output_token_ids.extend(u.new_tokens)
+            out = seq.output_token_ids
+            while out and out[-1] == PENDING:  # known now: among the new tokens
+                out.pop()
+            out.extend(u.new_tokens)
+        seq.output_token_ids.extend([PENDING] * u.pending)
         seq.num_cached_tokens, seq.convert_early = u.num_cached_tokens, u.convert_early
         if u.pages is not None:
             seq.pages = u.pages
@@ -139,6 +177,9 @@ class RequestMirror:
             seq.sparse = None
         if seq.sparse is not None:
             seq.sparse.draft = u.draft
+            if seq.sparse.row != u.row:
+                raise RuntimeError(f"request {seq.request_id!r}: pipeline row {seq.sparse.row} on this rank, "
+                                   f"{u.row} on rank 0")
         return seq
 
     def _place_extent(self, seq: Sequence, ext: HostExtent) -> None:

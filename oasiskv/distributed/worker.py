@@ -19,6 +19,7 @@ from oasiskv.distributed.model import ParallelLlamaForCausalLM
 from oasiskv.distributed.sharding import local_config, shard_plan
 from oasiskv.distributed.step_input import RequestMirror
 from oasiskv.engine.model_runner import ModelRunner, pick_device
+from oasiskv.engine.sampler import read_host
 from oasiskv.models.loader import ModelSource, iter_weights
 
 POLL_S = 1.0  # how often an idle rank checks that rank 0 is still there
@@ -71,6 +72,17 @@ class ParallelModelRunner(ModelRunner):
         return self.group.min_int(super()._num_pages())
 
 
+def read_launched(runner: ParallelModelRunner, in_flight) -> None:
+    """A launched step's outputs, read as rank 0 reads them: the tokens are rank 0's, but a
+    pipeline step's readout keeps this rank's sparse counters and transfer budget up."""
+    if in_flight is None:
+        return
+    seqs, (_, host, ready) = in_flight
+    values = read_host(host, ready)
+    if runner.is_pipeline_batch(seqs):
+        runner.read_pipeline_decode(seqs, values)
+
+
 def worker_main(rank: int, cfg: EngineConfig, port: int, conn) -> None:
     """Rank `rank` > 0: build the runner, say ready, then run each step rank 0 announces on
     `conn` until it says stop. An error goes back on `conn` before the process exits."""
@@ -83,6 +95,7 @@ def worker_main(rank: int, cfg: EngineConfig, port: int, conn) -> None:
         runner = ParallelModelRunner(cfg, group)
         mirror = RequestMirror(runner)
         conn.send(("ready", None))
+        in_flight = None
         while True:
             if not conn.poll(POLL_S):
                 if os.getppid() != parent:
@@ -90,7 +103,19 @@ def worker_main(rank: int, cfg: EngineConfig, port: int, conn) -> None:
                 continue
             if conn.recv() == "stop":
                 return
-            runner.execute(mirror.apply(group.broadcast_object()))
+            step = group.broadcast_object()
+            batch = mirror.apply(step)
+            if not step.launch:
+                read_launched(runner, in_flight)
+                in_flight = None
+                runner.execute(batch)
+                continue
+            ids = None
+            if step.device_ids is not None:
+                ids = group.broadcast(torch.empty(step.device_ids, dtype=torch.long, device=runner.device))
+            launched = runner.launch_decode(batch.seqs, ids)
+            read_launched(runner, in_flight)  # the last step's, once this one is queued (as rank 0 reads)
+            in_flight = batch.seqs, launched
     except BaseException:  # noqa: BLE001 - whatever stopped the rank goes to rank 0's error
         try:
             conn.send(("error", traceback.format_exc()))
