@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The default model's GGUF (98 MB) on the GPU machine, which takes at most 64 MiB a run and keeps
+# ignored files only while it stays warm (~30 s between runs): two halves over two back-to-back
+# runs, joined and checked there, then the real-weights check (scripts/gpu_real_weights.py).
+#
+#   bash scripts/gpu_stage_model.sh split     # here: .gpu_stage/part1, part2, sha256 and the
+#                                             # CPU in-line path's tokens (a few minutes)
+#   run(carry=[".gpu_stage/part1"], command="bash scripts/gpu_stage_model.sh receive")
+#   run(carry=[".gpu_stage/part2", ".gpu_stage/expected.json", ".gpu_site"],
+#       command="bash scripts/gpu_stage_model.sh check")   # at once; `receive` again if part1 was gone
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=.gpu_stage
+case "${1:-}" in
+split)
+  PY=${PYTHON:-.venv/bin/python}
+  gguf=$("$PY" -c "from oasiskv.models.loader import default_model_path; print(default_model_path())")
+  mkdir -p "$STAGE"
+  size=$(stat -c %s "$gguf")
+  half=$(( (size + 1) / 2 ))
+  head -c "$half" "$gguf" > "$STAGE/part1"
+  tail -c +$(( half + 1 )) "$gguf" > "$STAGE/part2"
+  sha256sum "$gguf" | cut -d' ' -f1 > "$STAGE/sha256"
+  cp "$STAGE/sha256" "$STAGE/part2.sha256"
+  "$PY" scripts/gpu_real_weights.py record --output "$STAGE/expected.json"
+  ls -l "$STAGE"
+  ;;
+receive)
+  ls -l "$STAGE"
+  ;;
+check)
+  [ -f "$STAGE/part1" ] || { echo "part1 is gone (the machine went cold): run receive again" >&2; exit 3; }
+  OUT=${OUT:-out}
+  mkdir -p "$OUT"
+  cat "$STAGE/part1" "$STAGE/part2" > "$STAGE/model.gguf"
+  got=$(sha256sum "$STAGE/model.gguf" | cut -d' ' -f1)
+  [ "$got" = "$(cat "$STAGE/part2.sha256")" ] || { echo "sha256 mismatch: $got" >&2; exit 4; }
+  echo "model.gguf assembled, sha256 $got"
+  OASISKV_CACHE_DIR=$PWD/$STAGE/cache PYTHONPATH=.:.gpu_site python3 scripts/gpu_real_weights.py check \
+    --gguf "$STAGE/model.gguf" --expected "$STAGE/expected.json" --output "$OUT/real_weights.json" \
+    2>&1 | tee "$OUT/real_weights.log"
+  ;;
+*)
+  echo "usage: bash scripts/gpu_stage_model.sh split|receive|check" >&2
+  exit 2
+  ;;
+esac
