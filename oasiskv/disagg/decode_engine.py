@@ -126,6 +126,10 @@ class DecodeEngine(LLMEngine):
                 continue
             now = time.perf_counter()
             seq.first_scheduled_time = seq.first_token_time = now
+            if params.logprobs is not None:  # the first token's, as the prefill sampled it
+                first = adm.first_logprobs or {adm.first_token: float("nan")}
+                seq.logprobs.append(first)
+                seq.cumulative_logprob += first[adm.first_token]
             reason = self._finish_reason(seq, adm.first_token)  # the prefill's token may end it
             if reason:
                 seq.finish_reason, seq.finish_time = reason, now

@@ -113,6 +113,7 @@ class PrefillEngine(LLMEngine):
             if self.runner.device.type == "cuda":  # the conversion's host copies are asynchronous
                 torch.cuda.synchronize()
             adm = hand_over(self.sparse, seq, self.leases, "", mode, self.peer_metadata)
+            adm.first_logprobs = seq.logprobs[0] if seq.logprobs else None
             data = adm.to_bytes()
             with self._lock:
                 self._admissions[rid] = data

@@ -6,6 +6,8 @@ as outputs leave the engine. Each server owns its registry, so several can live 
 """
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -120,6 +122,8 @@ class ServerMetrics:
                                              "a finished admitted request held at its end (its peak).",
                                              buckets=tuple(2.0 ** i for i in range(20, 38)))
         self._seen: dict[str, float] = {}  # engine totals already added to the counters
+        self._disagg = None  # a role server's engine.disagg_stats, once the engine thread ran
+        self._disagg_lock = threading.Lock()
         self._predicted = self._hits = 0  # running sums behind the hit-rate gauge
 
     def _add(self, kind, name: str, documentation: str, **kwargs):
@@ -133,6 +137,8 @@ class ServerMetrics:
         self.engine_alive.set(1 if alive else 0)
 
     def render(self) -> bytes:
+        if self._disagg is not None:  # lease and arena figures change off the engine thread too
+            self._observe_disagg(self._disagg)
         return generate_latest(self.registry)
 
     # ---- fed by the engine thread -------------------------------------------------------
@@ -149,13 +155,9 @@ class ServerMetrics:
         self._advance(self.prefix_queries, "prefix_queries", bm.queries)
         self._advance(self.prefix_hits, "prefix_hits", bm.hits)
         self._advance(self.prefill_computed, "prefill_computed", engine.step_stats["prefill_tokens"])
-        disagg = getattr(engine, "disagg_stats", None)
-        if disagg is not None:
-            figures = disagg()
-            for key, counter in self.disagg_counters.items():
-                self._advance(counter, "disagg_" + key, figures.get(key, 0))
-            for key, gauge in self.disagg_gauges.items():
-                gauge.set(figures.get(key, 0))
+        self._disagg = getattr(engine, "disagg_stats", None)
+        if self._disagg is not None:
+            self._observe_disagg(self._disagg)
         sparse = engine.runner.sparse
         if sparse is not None:
             for key, counter in self.step_counters.items():
@@ -166,6 +168,14 @@ class ServerMetrics:
             self.host_bytes_total.set(total)
             self.host_bytes_used.set(host.bytes_used)
             self.host_usage.set(host.bytes_used / total if total else 0.0)
+
+    def _observe_disagg(self, disagg_stats) -> None:
+        with self._disagg_lock:  # the engine thread and a /metrics handler may both be here
+            figures = disagg_stats()
+            for key, counter in self.disagg_counters.items():
+                self._advance(counter, "disagg_" + key, figures.get(key, 0))
+            for key, gauge in self.disagg_gauges.items():
+                gauge.set(figures.get(key, 0))
 
     def _advance(self, counter, key: str, total: float) -> None:
         """Bring a counter up to an engine total (engine totals only grow)."""

@@ -1,0 +1,158 @@
+"""Disaggregated serving end to end: `oasiskv proxy` + `oasiskv serve --role prefill` + `oasiskv
+serve --role decode --rpf-strict` as subprocesses on the default model (socket transport),
+a 4K-token prompt, K = 32.
+
+- Strict RPF through the proxy decodes the greedy tokens of colocated sparse decode (the same
+  request sent to the decode server without transfer parameters: it converts after its prefill).
+- RPF's admission is at most a quarter of full transfer's, and the decode side's host memory for
+  the request (`oasiskv:disagg_request_host_bytes`) is smaller; both pools go back to zero.
+- The prefill server killed mid-decode: the client's stream ends with an error event within 5 s;
+  the decode server frees the request and serves the next one.
+One set of servers for the module; the kill comes last."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
+from server_client import call, free_port, metrics
+
+PROMPT_TOKENS, NEW_TOKENS = 4000, 8
+ENGINE = ["--max-model-len", "4200", "--sparse", "--top-k-blocks", "32", "--sparse-threshold", "2048",
+          "--host-kv-gb", "0.5", "--kv-cache-gb", "0.5", "--disable-log-stats", "--kv-transport", "socket"]
+HOST = "127.0.0.1"
+
+
+def prompt_ids(base: str) -> list[int]:
+    status, out = call(base, "/tokenize", {"prompt": open(argparse.__file__).read(), "add_special_tokens": False})
+    assert status == 200, out
+    return out["tokens"][:PROMPT_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+    url = {name: f"http://{HOST}:{port}" for name, port in ports.items()}
+    procs = {
+        "prefill": start_server([*ENGINE, "--role", "prefill", "--kv-lease-ttl", "3"], HOST, ports["prefill"],
+                                wait=False),
+        "decode": start_server([*ENGINE, "--role", "decode", "--rpf-strict"], HOST, ports["decode"], wait=False),
+        "proxy": subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
+                                   url["prefill"], "--decode", url["decode"], "--port", str(ports["proxy"]),
+                                   "--log-level", "warning"], start_new_session=True),
+    }
+    try:
+        for name, proc in procs.items():
+            wait_for_health(url[name], 600, proc)
+        yield {"url": url, "procs": procs, "ids": prompt_ids(url["decode"])}
+    finally:
+        for proc in procs.values():
+            stop_server(proc, timeout=30)
+
+
+def complete(base: str, ids: list[int], transfer: dict | None = None, max_tokens: int = NEW_TOKENS):
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    if transfer is not None:
+        body["kv_transfer_params"] = transfer
+    status, out = call(base, "/v1/completions", body, timeout=600)
+    assert status == 200, out
+    return out["choices"][0]
+
+
+def decode_figures(url: dict) -> dict:
+    m = metrics(url["decode"])
+    return {"admission": m["oasiskv:disagg_admission_bytes_total"],
+            "host": m["oasiskv:disagg_request_host_bytes_sum"], "remote": m["oasiskv:disagg_remote_read_bytes_total"]}
+
+
+def pools_drain(url: dict, timeout: float = 10.0) -> tuple[float, float, float]:
+    """(prefill host pool bytes, prefill leases, decode arena bytes) once all are zero, or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p, d = metrics(url["prefill"]), metrics(url["decode"])
+        got = (p["oasiskv:host_pool_bytes_used"], p["oasiskv:disagg_leases_held"],
+               d["oasiskv:disagg_host_bytes_used"])
+        if not any(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def runs(servers):
+    """The colocated reference, then strict RPF and full transfer through the proxy."""
+    url, ids = servers["url"], servers["ids"]
+    colocated = complete(url["decode"], ids)
+    figures = {"start": decode_figures(url)}
+    rpf = complete(url["proxy"], ids)
+    figures["rpf"] = decode_figures(url)
+    drained_rpf = pools_drain(url)
+    full = complete(url["proxy"], ids, {"transfer_mode": "full"})
+    figures["full"] = decode_figures(url)
+    return dict(colocated=colocated, rpf=rpf, full=full, figures=figures, drained_rpf=drained_rpf,
+                drained_full=pools_drain(url))
+
+
+def test_strict_rpf_equals_colocated_sparse_decode(runs):
+    colocated, rpf, full = runs["colocated"], runs["rpf"], runs["full"]
+    assert len(colocated["logprobs"]["tokens"]) == NEW_TOKENS
+    assert rpf["logprobs"]["tokens"] == colocated["logprobs"]["tokens"] and rpf["text"] == colocated["text"]
+    assert full["logprobs"]["tokens"] == colocated["logprobs"]["tokens"]
+
+
+def test_rpf_admission_and_decode_host_memory_below_full(runs):
+    f = runs["figures"]
+    rpf = {k: f["rpf"][k] - f["start"][k] for k in f["start"]}
+    full = {k: f["full"][k] - f["rpf"][k] for k in f["start"]}
+    print(f"admission bytes: rpf {rpf['admission']:.0f} full {full['admission']:.0f} "
+          f"({rpf['admission'] / full['admission']:.3f}); decode-side host bytes of the request: rpf "
+          f"{rpf['host']:.0f} full {full['host']:.0f} ({rpf['host'] / full['host']:.3f}); remote reads: rpf "
+          f"{rpf['remote']:.0f} B, full {full['remote']:.0f} B")
+    assert 0 < rpf["admission"] <= full["admission"] / 4
+    assert 0 < rpf["host"] < full["host"]
+    assert rpf["remote"] > 0 and full["remote"] == 0
+    assert runs["drained_rpf"] == (0, 0, 0) and runs["drained_full"] == (0, 0, 0)
+
+
+def test_prefill_killed_mid_decode(servers, runs):
+    """After two streamed tokens the prefill server is killed: an error event within 5 s, the
+    request's memory freed on the decode side, which then serves a request of its own."""
+    url, ids = servers["url"], servers["ids"]
+    body = {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url["proxy"] + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events, killed, error_after = 0, None, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                error_after = time.monotonic() - killed
+                message = event["error"]["message"]
+                continue
+            events += 1
+            if events == 2:
+                os.killpg(servers["procs"]["prefill"].pid, signal.SIGKILL)
+                killed = time.monotonic()
+    print(f"prefill killed after {events} events; the client's error {error_after:.2f} s later")
+    assert error_after is not None and error_after < 5.0 and "prefill" in message
+    assert call(url["decode"], "/health")[0] == 200
+    after = complete(url["decode"], ids[:200], max_tokens=4)
+    assert len(after["logprobs"]["tokens"]) == 4
+    d = metrics(url["decode"])
+    assert d["oasiskv:disagg_host_bytes_used"] == 0 and d["oasiskv:disagg_failed_requests_total"] == 1
+    assert d["oasiskv:disagg_leases_held"] == 0
+    status, out = call(url["proxy"], "/v1/completions", {"prompt": ids[:100], "max_tokens": 2})
+    assert status == 502 and "prefill" in out["error"]["message"]  # no prefill server left
