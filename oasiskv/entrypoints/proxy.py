@@ -6,7 +6,7 @@ Each completion or chat request goes to the next prefill server (round robin) wi
 1, not streamed, and `kv_transfer_params` = {"do_remote_decode": true}; the `kv_transfer_params`
 it answers with (its `remote_url` set to the prefill's address as this proxy reaches it) go with
 the original request to the next decode server, whose answer (JSON or server-sent events) is
-passed on as it comes. An error of either server is passed on with its status; a server that
+passed on as it comes. GET /metrics is the first decode server's. An error of either server is passed on with its status; a server that
 cannot be reached is a 502, as is a decode stream that breaks off (then as an error event).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.entrypoints.openai.protocol import error_body
 
@@ -117,6 +117,15 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
             async with state["session"].get(decode[0] + "/v1/models") as r:
                 return JSONResponse(await r.json(content_type=None), status_code=r.status)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            return bad_gateway(f"the decode server {decode[0]} failed ({type(e).__name__})")
+
+    @app.get("/metrics")
+    async def decode_metrics():
+        """The first decode server's, so `bench serve` through the proxy reports its figures."""
+        try:
+            async with state["session"].get(decode[0] + "/metrics") as r:
+                return Response(await r.read(), status_code=r.status, media_type=r.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return bad_gateway(f"the decode server {decode[0]} failed ({type(e).__name__})")
 
     @app.get("/health")
