@@ -121,6 +121,29 @@ def test_rpf_admission_and_decode_host_memory_below_full(runs):
     assert runs["drained_rpf"] == (0, 0, 0) and runs["drained_full"] == (0, 0, 0)
 
 
+def stream_until(url: str, body: dict, stop_after: int):
+    """Open a streamed completion and return it after `stop_after` token events (still open)."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    r = urllib.request.urlopen(req, timeout=600)
+    events = 0
+    for line in r:
+        if line.startswith(b"data: {") and b'"error"' not in line:
+            events += 1
+            if events == stop_after:
+                return r
+    raise AssertionError("the stream ended early")
+
+
+def test_client_gone_mid_decode_frees_both_sides(servers, runs):
+    """The client closes its stream after two tokens: the decode server aborts the request and
+    releases its lease at once, so both sides' pools drain to zero."""
+    url, ids = servers["url"], servers["ids"]
+    r = stream_until(url["proxy"], {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True}, 2)
+    r.close()
+    assert pools_drain(url) == (0, 0, 0)
+
+
 def test_prefill_killed_mid_decode(servers, runs):
     """After two streamed tokens the prefill server is killed: an error event within 5 s, the
     request's memory freed on the decode side, which then serves a request of its own."""

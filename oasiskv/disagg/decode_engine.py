@@ -64,6 +64,12 @@ class DecodeEngine(LLMEngine):
         self.totals["admission_bytes"] += nbytes
         self._incoming[request_id] = (adm, url)
 
+    def discard_admission(self, request_id: str) -> None:
+        """The HTTP side gave up on a request between its admission's fetch and its start."""
+        incoming = self._incoming.pop(request_id, None)
+        if incoming is not None:
+            self.heartbeats.release(incoming[1], incoming[0].request_id)
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         incoming = self._incoming.pop(request_id, None) if request_id is not None else None
         if incoming is None:
@@ -81,8 +87,8 @@ class DecodeEngine(LLMEngine):
             self.heartbeats.release(url, prefill_id)  # its lease, claimed by the fetch, goes at once
             raise
         adm.request_id = request_id
-        self.tracked[request_id] = (url, prefill_id)
         if adm.mode == "rpf":
+            self.tracked[request_id] = (url, prefill_id)
             self.heartbeats.hold(url, prefill_id, adm.lease_ttl_s)
         else:  # the whole KV came with the admission: nothing more is read from the prefill
             self.heartbeats.release(url, prefill_id)

@@ -56,6 +56,11 @@ class PrefillEngine(LLMEngine):
         with self._lock:
             self._expected[request_id] = mode
 
+    def discard_hand_over(self, request_id: str) -> None:
+        """The HTTP side gave up on the request before it was added."""
+        with self._lock:
+            self._expected.pop(request_id, None)
+
     def take_admission(self, request_id: str, peer: str) -> bytes | None:
         """The admission, once, to the decode instance `peer`, which takes the lease from now on;
         None if there is none (never handed over, fetched already, or its lease ended)."""

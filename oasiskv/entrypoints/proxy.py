@@ -65,8 +65,8 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
             message = f"the decode server's stream broke off ({type(e).__name__})"
             yield f"data: {json.dumps(error_body(message, 'server_error', code='bad_gateway'))}\n\n".encode()
             yield b"data: [DONE]\n\n"
-        finally:
-            response.release()
+        finally:  # the client went away or the stream ended: the decode server sees the close
+            response.close()
 
     async def generate(path: str, raw: Request):
         try:

@@ -48,6 +48,9 @@ class PrefillRole:
     def result(self, request_id: str) -> dict | None:
         return self.engine.take_result(request_id)
 
+    def discard(self, request_id: str) -> None:
+        self.engine.discard_hand_over(request_id)
+
 
 class DecodeRole:
     def __init__(self, async_engine):
@@ -81,6 +84,9 @@ class DecodeRole:
 
     def result(self, request_id: str) -> dict | None:
         return None
+
+    def discard(self, request_id: str) -> None:
+        self.engine.discard_admission(request_id)
 
 
 class Peers(BaseModel):

@@ -211,6 +211,14 @@ class OpenAIServing:
             await self.disagg.prepare(specs[0][1], transfer, stream)
         choices = []
         try:
+            return await self._start(specs, choices)
+        except BaseException:
+            if transfer is not None and not choices:  # never reached the engine
+                self.disagg.discard(specs[0][1])
+            raise
+
+    async def _start(self, specs, choices: list[Choice]) -> list[Choice]:
+        try:
             for index, rid, ids, params, stop in specs:
                 c = Choice(self.engine, index, rid, ids, params, stop, self.tokenizer, self.live)
                 await c.start()
