@@ -26,6 +26,7 @@ from oasiskv.disagg.local_items import LocalItems
 from oasiskv.disagg.remote_reads import RemoteReads
 from oasiskv.disagg.transport import DEFAULT_READ_TIMEOUT_S, PeerDisconnected, Transport
 from oasiskv.engine.llm_engine import LLMEngine, RequestOutput
+from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class DecodeEngine(LLMEngine):
         self._ready: list[RequestOutput] = []  # requests finished at admission
         self._last_step_s = 0.0
         self.totals = {"admissions": 0, "admission_bytes": 0}
+        self.lease_failures = 0  # requests failed because their lease ended
 
     # ---- intake ---------------------------------------------------------------------------
     def expect_admission(self, request_id: str, adm: Admission, url: str, nbytes: int) -> None:
@@ -180,9 +182,22 @@ class DecodeEngine(LLMEngine):
             if lost.unreachable and peer is not None:
                 self.reads.fail_peer(peer, PeerDisconnected(peer, f"{lost.url} does not answer heartbeats"))
                 continue
-            seq = self.seqs.get(rid) if rid is not None else None
+            if rid is None:
+                continue
+            # The prefill may reuse the extent now: the request must never read it again.
+            error = f"{PREFILL_FAILED}: its lease at {lost.url} ended"
+            self.lease_failures += 1
+            waiting = [w for w in self._waiting if w[2] == rid]
+            if waiting:
+                self._waiting.remove(waiting[0])
+                seq = Sequence(rid, list(waiting[0][0].prompt_token_ids), waiting[0][3],
+                               status=SequenceStatus.FINISHED, finish_reason="error", finish_time=now)
+                seq.error = error  # it holds nothing yet: only its output
+                outputs.append(self.make_output(seq))
+                continue
+            seq = self.seqs.get(rid)
             if seq is not None and not seq.is_finished:
-                seq.error = f"{PREFILL_FAILED}: its lease at {lost.url} ended"
+                seq.error = error
                 outputs.append(self._fail(seq, now))
         return outputs
 
@@ -208,7 +223,7 @@ class DecodeEngine(LLMEngine):
                 "remote_reads": self.reads.totals.reads, "reads_in_flight": self.reads.reads_in_flight,
                 "leases_held": self.heartbeats.held(), "host_bytes_used": self.store.bytes_used,
                 "host_bytes_total": self.store.num_items * self.store.item_bytes,
-                "failed_requests": self.reads.totals.failed_requests}
+                "failed_requests": self.reads.totals.failed_requests + self.lease_failures}
 
     def close(self) -> None:
         self.heartbeats.close()

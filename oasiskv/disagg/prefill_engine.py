@@ -133,7 +133,7 @@ class PrefillEngine(LLMEngine):
             done[rid] = self.make_output(seq)
         return done
 
-    def reap(self, engine=None) -> None:
+    def reap(self) -> None:
         """Free the extents whose leases ended (for `AsyncEngine.call_soon` while idle)."""
         self.leases.reap()
 
