@@ -24,7 +24,7 @@ import pytest
 
 from oasiskv.disagg.nixl_transport import nixl_available
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
-from server_client import call, free_port, metrics
+from server_client import call, free_port, metrics, stream_events
 
 PROMPT_TOKENS, NEW_TOKENS = 4000, 8
 ENGINE = ["--max-model-len", "4200", "--sparse", "--top-k-blocks", "32", "--sparse-threshold", "2048",
@@ -134,6 +134,23 @@ def test_rpf_admission_and_decode_host_memory_below_full(runs):
     assert 0 < rpf["host"] < full["host"]
     assert rpf["remote"] > 0 and full["remote"] == 0
     assert runs["drained_rpf"] == (0, 0, 0) and runs["drained_full"] == (0, 0, 0)
+
+
+def test_chat_through_the_proxy_whole_and_streamed(servers):
+    """A short chat request is handed over too (converted whatever its length): its working set
+    then holds every block, so decode equals the decode server's own dense answer."""
+    url = servers["url"]
+    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    status, local = call(url["decode"], "/v1/chat/completions", body)
+    assert status == 200, local
+    status, whole = call(url["proxy"], "/v1/chat/completions", body)
+    assert status == 200, whole
+    text = whole["choices"][0]["message"]["content"]
+    assert text == local["choices"][0]["message"]["content"] and whole["usage"]["completion_tokens"] == 6
+    events = stream_events(url["proxy"], "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == text
 
 
 def stream_until(url: str, body: dict, stop_after: int):
