@@ -8,11 +8,13 @@
 # disagg.json + disagg.md (scripts/disagg_table.py).
 #
 #   bash scripts/gpu_deps.sh && bash scripts/gpu_deps_nixl.sh     # here, once
-#   run(carry=[".gpu_site", ".gpu_nixl"], command="CASES='full:ucx rpf:ucx' bash scripts/gpu_bench_disagg.sh")
+#   run(carry=[".gpu_site", ".gpu_nixl"], command="CASES=rpf:ucx bash scripts/gpu_bench_disagg.sh")
+#   python3 scripts/disagg_table.py DIR   # here, over the files of several calls gathered in DIR
 #
 # CASES: mode:transport[:gbps] each (mode rpf|full, transport ucx|tcp|socket, gbps the link the
-# decode side's read budget stands for). One call must end within 10 minutes: pick a few.
-# Sizes: MODEL (qwen3-8b), PROMPTS (16), IN (32768), OUT (1024), TOPK (128), BENCH_S (per case).
+# decode side's read budget stands for). One call must end within 10 minutes; at the full sizes
+# give it one case, or lower PROMPTS / OUT_LEN to fit several.
+# Sizes: MODEL (qwen3-8b), PROMPTS (16), IN (32768), OUT_LEN (1024), TOPK (128), BENCH_S (per case).
 # Memory: at 32K tokens one qwen3-8b request's KV is 4.6 GiB. The prefill's host pool holds every
 # RPF request's KV until its decode ends (PREFILL_HOST_GB, default PROMPTS x 4.7 + 2 for rpf, 24 for
 # full); the decode side's arena (DECODE_REMOTE_GB) is only touched as blocks arrive. 16 prompts in
@@ -32,7 +34,7 @@ PROMPTS=${PROMPTS:-16}
 IN=${IN:-32768}
 OUT_LEN=${OUT_LEN:-1024}
 TOPK=${TOPK:-128}
-BENCH_S=${BENCH_S:-540}
+BENCH_S=${BENCH_S:-420}
 P_PORT=8100; D_PORT=8200; X_PORT=8000
 ENGINE=(--model "$MODEL" --load-format dummy --top-k-blocks "$TOPK" --max-model-len $((IN + OUT_LEN + 64))
         --disable-log-stats)
@@ -114,6 +116,6 @@ run_case() {  # mode:transport[:gbps]
 
 [ "${1:-}" = smoke ] && SMOKE=1
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-for case in ${CASES:-full:ucx rpf:ucx}; do run_case "$case"; done
+for case in ${CASES:-rpf:ucx}; do run_case "$case"; done
 $PY scripts/disagg_table.py "$OUT" --model "$MODEL" --prompts "$PROMPTS" --input-len "$IN" --output-len "$OUT_LEN" \
   --top-k "$TOPK" ${TCP_TLS:+--tcp-tls "$TCP_TLS"}
