@@ -201,7 +201,7 @@ def test_prefill_killed_mid_decode(servers):
             if events == 2:
                 os.killpg(servers["procs"]["prefill"].pid, signal.SIGKILL)
                 killed = time.monotonic()
-    print(f"prefill killed after {events} events; the client's error {error_after:.2f} s later")
+    print(f"prefill killed after 2 token events ({events} in all); the client's error {error_after:.2f} s later")
     assert error_after is not None and error_after < 5.0 and "prefill" in message
     assert call(url["decode"], "/health")[0] == 200
     after = complete(url["decode"], ids[:200], max_tokens=4)
