@@ -101,3 +101,23 @@ def test_keeper_renews_with_one_heartbeat_per_peer(pool):
     assert keeper.beat() == {"p0": ["a"]} and keeper.held() == 0
     clock.now += 2
     assert owners["p0"].reap() == ["a"]
+
+
+def test_unclaimed_lease_is_taken_by_the_first_admitting_peer(pool):
+    """The prefill server grants a hand-over's lease to no peer; the decode server that fetches
+    the admission claims it (and renews it); another peer cannot; an unclaimed lease expires."""
+    clock = Clock()
+    leases = LeaseTable(pool.free, ttl_s=10, grace_s=5, clock=clock)
+    pool.allocate("a", 1, 8, 2)
+    pool.allocate("b", 1, 8, 2)
+    leases.grant("a", "")
+    leases.grant("b", "")
+    clock.now += 8
+    assert leases.claim("a", "decode-0") and leases.claim("a", "decode-0")
+    assert not leases.claim("a", "decode-1")
+    assert leases.heartbeat("decode-1", ["a"]) == ["a"] and leases.heartbeat("decode-0", ["a"]) == []
+    clock.now += 3  # b's TTL passed unclaimed: it can no longer be claimed, and goes after the grace
+    assert not leases.claim("b", "decode-0")
+    clock.now += 5
+    assert leases.reap() == ["b"] and leases.expired_total == 1
+    assert leases.release("a") and leases.reap() == ["a"]

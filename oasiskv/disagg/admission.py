@@ -42,6 +42,8 @@ class Admission:
     lease_ttl_s: float = 0.0
     remote_start: int = 0  # first item of the extent
     remote_stride: int = 0  # the extent's blocks per layer
+    # The first token's logprobs {token id: logprob}, when the request asked for logprobs.
+    first_logprobs: dict[int, float] | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     # rpf: "blocks" [L, Hkv, P] int32 (the working set: logical block per position, -1 empty),
     #      "last_selected" [L, Hkv, K] int64, "kmin"/"kmax" [L, nb, Hkv, D] (summary dtype),
@@ -60,13 +62,15 @@ class Admission:
     def to_bytes(self) -> bytes:
         meta = {k: getattr(self, k) for k in ("request_id", "mode", "prompt_token_ids", "first_token",
                                                "num_cached", "block_size", "draft", "step", "peer_metadata",
-                                               "lease_ttl_s", "remote_start", "remote_stride")}
+                                               "lease_ttl_s", "remote_start", "remote_stride", "first_logprobs")}
         return save_tensors({k: t.contiguous() for k, t in self.tensors.items()},
                             metadata={"admission": json.dumps(meta)})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Admission":
         meta = json.loads(_metadata(data)["admission"])
+        if meta.get("first_logprobs") is not None:  # JSON keys are strings
+            meta["first_logprobs"] = {int(k): float(v) for k, v in meta["first_logprobs"].items()}
         if meta["mode"] not in TRANSFER_MODES:
             raise ValueError(f"unknown transfer mode {meta['mode']!r}")
         return cls(tensors=load_tensors(data), **meta)

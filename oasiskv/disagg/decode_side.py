@@ -24,6 +24,9 @@ from oasiskv.sampling_params import SamplingParams
 from oasiskv.sparse.drafters import TokenHistory
 from oasiskv.sparse.working_set import WorkingSet
 
+# How a request whose prefill peer failed ends (the server answers it with 502).
+PREFILL_FAILED = "the prefill instance holding this request's KV failed"
+
 
 class RemoteSource:
     """`SparseManager.remote` on a decode instance."""
@@ -121,6 +124,6 @@ def fail_requests(engine, reads: RemoteReads) -> list:
         seq = engine.seqs.get(req.request_id)
         if seq is None or seq.is_finished:
             continue
-        seq.error = f"the prefill instance holding this request's KV failed: {req.error}"
+        seq.error = f"{PREFILL_FAILED}: {req.error}"
         outputs.append(engine._fail(seq, time.perf_counter()))
     return outputs

@@ -55,6 +55,18 @@ class LeaseTable:
             self._leases[request_id] = Lease(request_id, peer, self.clock() + self.ttl_s)
         return self.ttl_s
 
+    def claim(self, request_id: str, peer: str) -> bool:
+        """The peer that admits the request takes a lease granted to no peer yet (`grant(request,
+        "")`: the prefill instance does not know which decode instance will admit it), and
+        renews it; False if the lease is gone or held by another peer."""
+        now = self.clock()
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.released or lease.expires < now or lease.peer not in ("", peer):
+                return False
+            lease.peer, lease.expires = peer, now + self.ttl_s
+            return True
+
     def heartbeat(self, peer: str, request_ids: list[str]) -> list[str]:
         """Renew the peer's leases on these requests; returns the ones it does not hold (expired,
         released, unknown, or held by another peer)."""

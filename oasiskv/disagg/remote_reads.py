@@ -33,6 +33,8 @@ class RemoteRequest:
     remote_blocks: int  # blocks complete on the peer (a partial one changes here: never read)
     where: np.ndarray  # [L, max_blocks, Hkv] int64: local item, REMOTE or IN_FLIGHT
     reads_in_flight: int = 0
+    items_held: int = 0  # local items it has taken (placed or read); they go back at release
+    bytes_read: int = 0  # remote bytes received for it
     error: TransportError | None = None
     released: bool = False
 
@@ -156,7 +158,7 @@ class RemoteReads:
             self.store.free(local)
             for req, flat, _ in items:
                 req.where.reshape(-1)[flat] = REMOTE
-            self._fail_peer(peer, e)
+            self.fail_peer(peer, e)
             return 0
         for req, _, _ in items:
             req.reads_in_flight += 1
@@ -174,7 +176,7 @@ class RemoteReads:
                 done = self.transport.poll(read.pending)
             except TransportError as e:
                 self._settle(read, ok=False)
-                self._fail_peer(read.pending.peer, e)
+                self.fail_peer(read.pending.peer, e)
                 continue
             if done:
                 self._settle(read, ok=True)
@@ -193,14 +195,17 @@ class RemoteReads:
             req.reads_in_flight -= 1
             if ok and req.error is None and not req.released:
                 req.where.reshape(-1)[flat] = local
+                req.items_held += len(local)
+                req.bytes_read += len(local) * self.store.item_bytes
                 self.totals.bytes_read += len(local) * self.store.item_bytes
             else:
                 req.where.reshape(-1)[flat] = REMOTE
                 self.store.free(local)
 
     # ---- lifetimes ------------------------------------------------------------------
-    def _fail_peer(self, peer: str, error: TransportError) -> None:
-        """Every request of the peer fails; the engine aborts them (`failed`)."""
+    def fail_peer(self, peer: str, error: TransportError) -> None:
+        """Every request of the peer fails (`failed`, for the engine to abort) and the peer is
+        dropped: a read failed, or its owner stopped answering heartbeats."""
         for req in self._requests_of(peer):
             if req.error is None:
                 req.error = error
@@ -232,6 +237,7 @@ class RemoteReads:
         if local is None:
             return None
         where[new] = local
+        req.items_held += len(new)
         return where[flat]
 
     def release(self, req: RemoteRequest) -> None:

@@ -88,6 +88,11 @@ class _Abort:
     reason: str = "abort"  # "stop" when the front end ended it at a stop string
 
 
+@dataclass
+class _Call:
+    fn: object  # fn(engine) -> list[RequestOutput] | None, run on the engine thread
+
+
 class _Stop:
     pass
 
@@ -140,6 +145,11 @@ class AsyncEngine:
         stream.accepted.result()
         return stream
 
+    def call_soon(self, fn) -> None:
+        """Run fn(engine) on the engine thread between steps, idle or not (safe from any thread);
+        the outputs it returns go to their streams. An exception in it is logged, not fatal."""
+        self._commands.put(_Call(fn))
+
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Safe from any thread; a no-op for a request that already finished. `reason` is what
         the metrics count it as."""
@@ -184,6 +194,13 @@ class AsyncEngine:
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id, cmd.reason)
+            elif isinstance(cmd, _Call):
+                try:
+                    outputs = cmd.fn(self.engine)
+                except Exception:  # noqa: BLE001 - a helper's fault, not the engine's
+                    log.exception("a call on the engine thread failed")
+                    continue
+                self._deliver(outputs or [])
 
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id

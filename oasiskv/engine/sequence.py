@@ -37,6 +37,7 @@ class Sequence:
     sparse: object = None  # WorkingSet once the request decodes sparse
     host_extent: object = None  # its reservation in the host KV pool
     convert_early: bool = False  # the scheduler converts it to sparse now, instead of a preemption
+    hand_over: bool = False  # a prefill instance converts it whatever its length (oasiskv.disagg.prefill_engine)
     # What sampling records and needs (oasiskv.engine.logprobs, oasiskv.engine.penalties):
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
     cumulative_logprob: float = 0.0

@@ -1,4 +1,4 @@
-"""`oasiskv` command line: generate, serve, bench, eval, download."""
+"""`oasiskv` command line: generate, serve, proxy, bench, eval, download."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 
 from oasiskv.entrypoints.args import add_engine_args, engine_config
+from oasiskv.entrypoints.disagg_args import add_disagg_args
 from oasiskv.models.downloads import DOWNLOADS, DownloadError, download
 
 
@@ -124,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (as --model)")
     add_server_args(s)
     add_engine_args(s)
+    add_disagg_args(s)
     s.set_defaults(func=_serve)
+
+    from oasiskv.entrypoints.proxy import add_proxy_args, run_proxy
+    x = sub.add_parser("proxy", help="the OpenAI API in front of prefill and decode servers (disaggregation)")
+    add_proxy_args(x)
+    x.set_defaults(func=run_proxy)
 
     from oasiskv.bench.decode import add_decode_args, run_decode_bench
     from oasiskv.bench.prefix import add_prefix_args, run_prefix_bench

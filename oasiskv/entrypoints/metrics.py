@@ -6,6 +6,8 @@ as outputs leave the engine. Each server owns its registry, so several can live 
 """
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -96,7 +98,32 @@ class ServerMetrics:
             ("predicted", "sparse_step_predicted_blocks", "Predicted (layer, head, block) items."))}
         self.conversions = add(Counter, "sparse_conversions", "Requests converted from dense to sparse "
                                "(past the threshold, or instead of a preemption).")
+        # Prefill/decode disaggregation (--role prefill|decode; docs/disaggregation.md).
+        self.disagg_counters = {key: add(Counter, name, doc) for key, name, doc in (
+            ("admission_bytes", "disagg_admission_bytes", "Admission bytes: handed over (prefill role) or "
+             "received (decode role)."),
+            ("admissions", "disagg_admissions", "Requests handed over (prefill role) or admitted (decode role)."),
+            ("remote_bytes", "disagg_remote_read_bytes", "Bytes the decode role read from prefill servers' "
+             "host pools after admission."),
+            ("remote_reads", "disagg_remote_reads", "Batched remote reads posted (one per prefill peer per step "
+             "at most)."),
+            ("lease_expiries", "disagg_lease_expiries", "Prefill role: leases that ended by expiry (no "
+             "heartbeat within the TTL), not by release."),
+            ("failed_requests", "disagg_failed_requests", "Decode role: requests failed because their prefill "
+             "server failed."))}
+        self.disagg_gauges = {key: add(Gauge, name, doc) for key, name, doc in (
+            ("reads_in_flight", "disagg_reads_in_flight", "Decode role: batched remote reads in flight."),
+            ("leases_held", "disagg_leases_held", "Leases on handed-over requests: held for decode servers "
+             "(prefill role) or renewed by this server (decode role)."),
+            ("host_bytes_used", "disagg_host_bytes_used", "Decode role: host bytes holding admitted requests' "
+             "blocks (what they received, read or wrote)."),
+            ("host_bytes_total", "disagg_host_bytes_total", "Decode role: size of that host arena."))}
+        self.disagg_request_host_bytes = add(Histogram, "disagg_request_host_bytes", "Decode role: host bytes "
+                                             "a finished admitted request held at its end (its peak).",
+                                             buckets=tuple(2.0 ** i for i in range(20, 38)))
         self._seen: dict[str, float] = {}  # engine totals already added to the counters
+        self._disagg = None  # a role server's engine.disagg_stats, once the engine thread ran
+        self._disagg_lock = threading.Lock()
         self._predicted = self._hits = 0  # running sums behind the hit-rate gauge
 
     def _add(self, kind, name: str, documentation: str, **kwargs):
@@ -110,6 +137,8 @@ class ServerMetrics:
         self.engine_alive.set(1 if alive else 0)
 
     def render(self) -> bytes:
+        if self._disagg is not None:  # lease and arena figures change off the engine thread too
+            self._observe_disagg(self._disagg)
         return generate_latest(self.registry)
 
     # ---- fed by the engine thread -------------------------------------------------------
@@ -126,6 +155,9 @@ class ServerMetrics:
         self._advance(self.prefix_queries, "prefix_queries", bm.queries)
         self._advance(self.prefix_hits, "prefix_hits", bm.hits)
         self._advance(self.prefill_computed, "prefill_computed", engine.step_stats["prefill_tokens"])
+        self._disagg = getattr(engine, "disagg_stats", None)
+        if self._disagg is not None:
+            self._observe_disagg(self._disagg)
         sparse = engine.runner.sparse
         if sparse is not None:
             for key, counter in self.step_counters.items():
@@ -136,6 +168,14 @@ class ServerMetrics:
             self.host_bytes_total.set(total)
             self.host_bytes_used.set(host.bytes_used)
             self.host_usage.set(host.bytes_used / total if total else 0.0)
+
+    def _observe_disagg(self, disagg_stats) -> None:
+        with self._disagg_lock:  # the engine thread and a /metrics handler may both be here
+            figures = disagg_stats()
+            for key, counter in self.disagg_counters.items():
+                self._advance(counter, "disagg_" + key, figures.get(key, 0))
+            for key, gauge in self.disagg_gauges.items():
+                gauge.set(figures.get(key, 0))
 
     def _advance(self, counter, key: str, total: float) -> None:
         """Bring a counter up to an engine total (engine totals only grow)."""
@@ -173,6 +213,8 @@ class ServerMetrics:
             self._hits += st.get("hits", 0)
             self.sparse_hit_rate.set(self._hits / self._predicted if self._predicted else 0.0)
             self.sparse_stall.inc(st.get("pipeline_stall_s", 0.0))
+            if "disagg_host_bytes" in st:
+                self.disagg_request_host_bytes.observe(st["disagg_host_bytes"])
 
     def observe_abort(self, reason: str = "abort") -> None:
         self.success(reason).inc()

@@ -81,7 +81,7 @@ class SparseManager:
         return min(len(seq.prompt_token_ids) + seq.params.max_tokens, max_model_len)
 
     def may_go_sparse(self, seq, max_model_len: int) -> bool:
-        return self.max_tokens(seq, max_model_len) > self.cfg.sparse_threshold
+        return getattr(seq, "hand_over", False) or self.max_tokens(seq, max_model_len) > self.cfg.sparse_threshold
 
     def max_blocks(self, seq, max_model_len: int) -> int:
         return math.ceil(self.max_tokens(seq, max_model_len) / self.block_size)
@@ -143,6 +143,8 @@ class SparseManager:
         instead of a preemption (`Sequence.convert_early`) and it is past the pressure floor."""
         if seq.sparse is not None or getattr(seq, "host_extent", None) is None:
             return False
+        if getattr(seq, "hand_over", False):  # a prefill instance hands it over sparse
+            return True
         if getattr(seq, "convert_early", False):
             return cached_after_step >= self.pressure_floor
         return cached_after_step >= self.cfg.sparse_threshold

@@ -30,6 +30,7 @@ from oasiskv.engine.stat_logger import StatLogger
 from oasiskv.entrypoints.metrics import ServerMetrics
 from oasiskv.entrypoints.openai.choice import ServerStopping
 from oasiskv.entrypoints.openai.cli_args import served_model_name
+from oasiskv.entrypoints.openai.disagg_serving import add_prefill_routes, disagg_role, start_reaper
 from oasiskv.entrypoints.openai.guard import Draining, RequestGuard
 from oasiskv.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                  DetokenizeRequest, TokenizeRequest, error_body)
@@ -59,8 +60,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, api_key: str | None = None,
               max_request_bytes: int = 4 << 20, body_timeout: float = 30.0,
-              draining: Draining | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, model_name)
+              draining: Draining | None = None, role: str = "both") -> FastAPI:
+    serving = OpenAIServing(engine, model_name, disagg_role(role, engine))
     draining = draining or Draining()
     engine.engine.detokenize = False  # text and stop strings are the front end's (choice.py)
 
@@ -93,6 +94,9 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, a
     async def _crash(request: Request, exc: Exception):
         log.exception("unhandled error in %s", request.url.path)
         return JSONResponse(error_body("internal error", "server_error"), status_code=500)
+
+    if role == "prefill":
+        add_prefill_routes(app, engine)
 
     @app.get("/health")
     async def health():
@@ -183,8 +187,8 @@ def begin_shutdown(app: FastAPI, timeout: float) -> None:
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from oasiskv.engine.llm_engine import LLMEngine
     from oasiskv.entrypoints.args import engine_config
+    from oasiskv.entrypoints.disagg_args import make_engine
     from oasiskv.entrypoints.openai.http_protocol import header_timeout_protocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -198,10 +202,15 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     stats = None if args.disable_log_stats else StatLogger(args.log_stats_interval)
-    engine = AsyncEngine(LLMEngine(engine_config(args)), metrics, on_death=on_engine_death, stat_logger=stats)
+    role = getattr(args, "role", "both")
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    engine = AsyncEngine(make_engine(args, engine_config(args), url), metrics, on_death=on_engine_death,
+                         stat_logger=stats)
+    if role == "prefill":
+        start_reaper(engine)
     api_key = args.api_key or os.environ.get("OASISKV_API_KEY") or None
     app = build_app(engine, metrics, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
-                    body_timeout=args.body_timeout)
+                    body_timeout=args.body_timeout, role=role)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -218,6 +227,8 @@ def run_server(args: argparse.Namespace) -> int:
     server = Server(config)
     server.run()  # handles SIGINT / SIGTERM: drain, then the lifespan's shutdown
     engine.shutdown()  # in case the lifespan never ran (the port was taken)
+    if hasattr(engine.engine, "close"):  # a role server's transport and heartbeats
+        engine.engine.close()
     if engine.error is not None:
         log.error("exiting with status 1: the engine stopped after an internal error")
         return 1

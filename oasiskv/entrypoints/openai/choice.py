@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from oasiskv.disagg.decode_side import PREFILL_FAILED
 from oasiskv.engine.async_engine import AsyncEngine, EngineStopped, RequestStream
 from oasiskv.entrypoints.openai.detokenizer import IncrementalDetokenizer, StopStringText
 from oasiskv.sampling_params import SamplingParams
@@ -105,6 +106,9 @@ class Choice:
                 break
         self._engine_tokens = len(out.token_ids)
         error = getattr(out, "error", None)
+        if error and error.startswith(PREFILL_FAILED):  # a disaggregated request's prefill peer died
+            log.warning("request %s failed: %s", self.request_id, error)
+            return self._fail(error, 502)
         if error:  # the engine's text names an exception: it goes to the log, not to the client
             log.warning("request %s failed in the engine: %s", self.request_id, error)
             return self._fail("the request failed in the engine (an internal error in its sampling); "

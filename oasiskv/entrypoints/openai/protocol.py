@@ -88,6 +88,9 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # an end-user id for the caller's logs; it changes no output
+    # Prefill/decode disaggregation (vLLM's field): what a prefill or decode server does with the
+    # request (entrypoints/openai/disagg_serving.py).
+    kv_transfer_params: dict[str, Any] | None = None
     # Declared only to be refused by name (serving.check_supported).
     response_format: Any = None
     tools: Any = None

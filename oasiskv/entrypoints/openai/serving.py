@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from oasiskv.disagg.transport import TransportError
 from oasiskv.engine.async_engine import AsyncEngine, EngineStopped
 from oasiskv.entrypoints.openai.choice import Choice, ChoiceUpdate
 from oasiskv.entrypoints.openai.protocol import (MIN_TEMPERATURE, NOT_SUPPORTED, APIError, ChatMessage,
@@ -62,8 +63,9 @@ async def until_disconnected(request: Request) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, disagg=None):
         self.engine = engine
+        self.disagg = disagg  # PrefillRole | DecodeRole on a role server (disagg_serving.py)
         self.model_name = model_name
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.runner.model_config.vocab_size
@@ -196,9 +198,26 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     # ---- choices ------------------------------------------------------------------------
-    async def start(self, specs: list[tuple[int, str, list[int], SamplingParams, list[str]]]) -> list[Choice]:
-        """Submit (index, request id, prompt ids, params, stop strings) each; all or none."""
+    async def start(self, specs: list[tuple[int, str, list[int], SamplingParams, list[str]]],
+                    transfer: dict | None = None, stream: bool = False) -> list[Choice]:
+        """Submit (index, request id, prompt ids, params, stop strings) each; all or none.
+        `transfer`: the request's kv_transfer_params (a prefill or decode server's request)."""
+        if transfer is not None:
+            if self.disagg is None:
+                raise APIError(400, "`kv_transfer_params` needs a server started with --role prefill or decode",
+                               param="kv_transfer_params")
+            if len(specs) != 1:
+                raise APIError(400, "a disaggregated request has one prompt and one choice", param="n")
+            await self.disagg.prepare(specs[0][1], transfer, stream)
         choices = []
+        try:
+            return await self._start(specs, choices)
+        except BaseException:
+            if transfer is not None and not choices:  # never reached the engine
+                self.disagg.discard(specs[0][1])
+            raise
+
+    async def _start(self, specs, choices: list[Choice]) -> list[Choice]:
         try:
             for index, rid, ids, params, stop in specs:
                 c = Choice(self.engine, index, rid, ids, params, stop, self.tokenizer, self.live)
@@ -210,6 +229,9 @@ class OpenAIServing:
         except EngineStopped as e:
             self._abort(choices)
             raise APIError(503, str(e), type="service_unavailable") from None
+        except TransportError as e:  # the prefill server of a disaggregated request is gone
+            self._abort(choices)
+            raise APIError(502, f"the prefill server cannot be reached: {e}", type="server_error") from None
         except BaseException:
             self._abort(choices)
             raise
@@ -219,6 +241,10 @@ class OpenAIServing:
         for c in choices:
             self.live.discard(c)
             self.engine.abort(c.request_id)
+
+    def transfer_result(self, choices: list[Choice]) -> dict | None:
+        """The kv_transfer_params a prefill server answers with (None elsewhere)."""
+        return self.disagg.result(choices[0].request_id) if self.disagg is not None else None
 
     def release(self, choices: list[Choice]) -> None:
         """Abort the choices whose engine request has not finished (a no-op for the others)."""

@@ -40,7 +40,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     specs = [(j, f"{rid}-{j}", ids, serving.sampling_params(req, max_tokens, j, logprobs), req.stop_strings())
              for j in range(req.n)]
-    choices = await serving.start(specs)
+    choices = await serving.start(specs, req.kv_transfer_params, req.stream)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.model_name}
     if req.stream:
         head["object"] = "chat.completion.chunk"
@@ -51,7 +51,9 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
              "logprobs": chat_logprobs(serving, c.token_ids, c.logprobs, top) if req.logprobs else None,
              "finish_reason": c.finish_reason} for c in choices]
     completion = sum(len(c.token_ids) for c in choices)
-    return {**head, "choices": body, "usage": usage(len(ids), completion, choices[0].num_cached_tokens)}
+    out = {**head, "choices": body, "usage": usage(len(ids), completion, choices[0].num_cached_tokens)}
+    transfer = serving.transfer_result(choices)
+    return out if transfer is None else {**out, "kv_transfer_params": transfer}
 
 
 async def _events(serving: OpenAIServing, req: ChatCompletionRequest, head: dict, choices: list[Choice],

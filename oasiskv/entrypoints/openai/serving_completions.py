@@ -71,7 +71,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
         for j in range(best_of):
             params = serving.sampling_params(req, max_tokens, j, logprobs, prompt_logprobs)
             specs.append((i * best_of + j, f"{rid}-{i}-{j}", ids, params, req.stop_strings()))
-    choices = await serving.start(specs)
+    choices = await serving.start(specs, req.kv_transfer_params, req.stream)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name}
     if req.stream:
         return EventStream(_events(serving, req, head, choices, prompt_ids), serving, choices)
@@ -86,7 +86,9 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     body = [await _choice_body(serving, req, index, prompt_ids[i], prompts[i], c) for index, i, c in kept]
     completion = 0 if req.max_tokens == 0 else sum(len(c.token_ids) for _, _, c in kept)
     prompt_tokens = sum(len(ids) for ids in prompt_ids)
-    return {**head, "choices": body, "usage": usage(prompt_tokens, completion, _cached(choices, best_of))}
+    out = {**head, "choices": body, "usage": usage(prompt_tokens, completion, _cached(choices, best_of))}
+    transfer = serving.transfer_result(choices)
+    return out if transfer is None else {**out, "kv_transfer_params": transfer}
 
 
 def _cached(choices: list[Choice], per_prompt: int) -> int:

@@ -1,0 +1,76 @@
+"""Flags of `oasiskv serve` for prefill/decode disaggregation, and the engine each role runs
+(docs/disaggregation.md, "Server roles")."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from oasiskv.config import EngineConfig
+
+ROLES = ("both", "prefill", "decode")
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregation (prefill and decode on separate servers)")
+    g.add_argument("--role", default="both", choices=ROLES,
+                   help="both: prefill and decode here (default); prefill: hand requests that carry "
+                        "kv_transfer_params over to a decode server; decode: admit them from their "
+                        "prefill server (both roles imply --sparse)")
+    g.add_argument("--kv-transfer-mode", default="rpf", choices=["rpf", "full"],
+                   help="prefill role: what a decode server receives at admission: rpf (summaries and "
+                        "the first working set; the rest is read on demand) or full (the whole KV, "
+                        "what vLLM's and SGLang's connectors move)")
+    g.add_argument("--kv-transport", default="auto", choices=["auto", "nixl", "socket"],
+                   help="how the decode server reads blocks from the prefill's host pool (auto: NIXL "
+                        "where it imports, else the socket block server)")
+    g.add_argument("--rpf-strict", action="store_true",
+                   help="decode role: every step waits for the remote blocks it predicts (the tokens "
+                        "then equal colocated sparse decode; for tests)")
+    g.add_argument("--rpf-link-gbps", type=float, default=None,
+                   help="decode role: remote reads per step at most what a link of this rate (Gbit/s) "
+                        "carries during one decode step (default: no budget)")
+    g.add_argument("--remote-kv-gb", type=float, default=None,
+                   help="decode role: host memory for admitted requests' blocks (default: --host-kv-gb)")
+    g.add_argument("--kv-lease-ttl", type=float, default=10.0,
+                   help="prefill role: seconds a handed-over request's KV stays without a heartbeat "
+                        "from its decode server")
+
+
+def role_config(config: EngineConfig, role: str) -> EngineConfig:
+    """A role server decodes sparse; a decode server on the in-line path (the one that reads
+    remote blocks), one step at a time."""
+    if role == "both":
+        return config
+    if config.tensor_parallel_size != 1:
+        raise ValueError("--role prefill|decode runs with --tensor-parallel-size 1")
+    config = dataclasses.replace(config, sparse=True)
+    if role == "decode":
+        config = dataclasses.replace(config, sparse_pipeline="off", async_scheduling="off")
+    return config
+
+
+def make_transport(kind: str, host: str):
+    if kind in ("auto", "nixl"):
+        from oasiskv.disagg.nixl_transport import NixlTransport, nixl_available
+        why = nixl_available()
+        if why is None:
+            return NixlTransport()
+        if kind == "nixl":
+            raise ValueError(why)
+    from oasiskv.disagg.socket_transport import SocketTransport
+    return SocketTransport(host=host)
+
+
+def make_engine(args: argparse.Namespace, config: EngineConfig, url: str):
+    """The LLMEngine of the server's role."""
+    from oasiskv.engine.llm_engine import LLMEngine
+    role = getattr(args, "role", "both")
+    config = role_config(config, role)
+    if role == "both":
+        return LLMEngine(config)
+    transport = make_transport(args.kv_transport, "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host)
+    if role == "prefill":
+        from oasiskv.disagg.prefill_engine import PrefillEngine
+        return PrefillEngine(config, transport, args.kv_transfer_mode, args.kv_lease_ttl, url)
+    from oasiskv.disagg.decode_engine import DecodeEngine
+    return DecodeEngine(config, transport, args.remote_kv_gb, args.rpf_strict, args.rpf_link_gbps)

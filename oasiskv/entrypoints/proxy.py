@@ -1,0 +1,153 @@
+"""`oasiskv proxy`: the OpenAI API in front of prefill and decode servers (docs/disaggregation.md).
+
+    oasiskv proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+Each completion or chat request goes to the next prefill server (round robin) with `max_tokens`
+1, not streamed, and `kv_transfer_params` = {"do_remote_decode": true}; the `kv_transfer_params`
+it answers with (its `remote_url` set to the prefill's address as this proxy reaches it) go with
+the original request to the next decode server, whose answer (JSON or server-sent events) is
+passed on as it comes. GET /metrics is the first decode server's. An error of either server is passed on with its status; a server that
+cannot be reached is a 502, as is a decode stream that breaks off (then as an error event).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from oasiskv.entrypoints.openai.protocol import error_body
+
+log = logging.getLogger("oasiskv.proxy")
+CONNECT_TIMEOUT_S = 5.0
+
+
+def bad_gateway(message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, "server_error", code="bad_gateway"), status_code=502)
+
+
+def prefill_body(body: dict) -> dict:
+    """The request as the prefill server gets it: one token, whole, to be handed over."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens",
+                                                        "min_tokens")}
+    out["max_tokens"] = 1
+    out["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "do_remote_decode": True}
+    return out
+
+
+def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
+    prefill = [u.rstrip("/") for u in prefill]
+    decode = [u.rstrip("/") for u in decode]
+    next_prefill, next_decode = itertools.cycle(prefill), itertools.cycle(decode)
+    state = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        state["session"] = aiohttp.ClientSession(timeout=timeout)
+        yield
+        await state["session"].close()
+
+    app = FastAPI(title="OasisKV proxy", lifespan=lifespan)
+
+    async def relay(response: aiohttp.ClientResponse):
+        """The decode server's events as they come; a stream that breaks off ends with an error event."""
+        try:
+            async for chunk in response.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            message = f"the decode server's stream broke off ({type(e).__name__})"
+            yield f"data: {json.dumps(error_body(message, 'server_error', code='bad_gateway'))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:  # the client went away or the stream ended: the decode server sees the close
+            response.close()
+
+    async def generate(path: str, raw: Request):
+        try:
+            body = await raw.json()
+        except ValueError:
+            return JSONResponse(error_body("the body is not valid JSON", code="invalid_json"), status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+        session: aiohttp.ClientSession = state["session"]
+        p_url, d_url = next(next_prefill), next(next_decode)
+        try:
+            async with session.post(p_url + path, json=prefill_body(body)) as r:
+                answer = await r.json(content_type=None)
+                status = r.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            return bad_gateway(f"the prefill server {p_url} failed ({type(e).__name__}: {e})")
+        if status != 200:
+            return JSONResponse(answer, status_code=status)
+        transfer = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not transfer:
+            return bad_gateway(f"the prefill server {p_url} handed nothing over (is it started with --role prefill?)")
+        transfer = {**transfer, "remote_url": p_url}
+        try:
+            response = await session.post(d_url + path, json={**body, "kv_transfer_params": transfer})
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return bad_gateway(f"the decode server {d_url} cannot be reached ({type(e).__name__}: {e})")
+        if response.status != 200 or not body.get("stream"):
+            try:
+                answer = await response.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                return bad_gateway(f"the decode server {d_url} failed ({type(e).__name__}: {e})")
+            finally:
+                response.release()
+            return JSONResponse(answer, status_code=response.status)
+        return StreamingResponse(relay(response), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await generate("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        return await generate("/v1/chat/completions", raw)
+
+    @app.get("/v1/models")
+    async def models():
+        try:
+            async with state["session"].get(decode[0] + "/v1/models") as r:
+                return JSONResponse(await r.json(content_type=None), status_code=r.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            return bad_gateway(f"the decode server {decode[0]} failed ({type(e).__name__})")
+
+    @app.get("/metrics")
+    async def decode_metrics():
+        """The first decode server's, so `bench serve` through the proxy reports its figures."""
+        try:
+            async with state["session"].get(decode[0] + "/metrics") as r:
+                return Response(await r.read(), status_code=r.status, media_type=r.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return bad_gateway(f"the decode server {decode[0]} failed ({type(e).__name__})")
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"prefill": prefill, "decode": decode})
+
+    return app
+
+
+def add_proxy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill server (oasiskv serve --role prefill); repeat for several")
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode server (oasiskv serve --role decode); repeat for several")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(build_proxy(args.prefill, args.decode), host=args.host, port=args.port,
+                log_level=args.log_level, access_log=False)
+    return 0

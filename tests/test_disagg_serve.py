@@ -1,0 +1,213 @@
+"""Disaggregated serving end to end: `oasiskv proxy` + `oasiskv serve --role prefill` + `oasiskv
+serve --role decode --rpf-strict` as subprocesses on the default model, a 4K-token prompt,
+K = 32; on the socket transport, then the faults again on NIXL (skipped where it does not import).
+
+- Strict RPF through the proxy decodes the greedy tokens of colocated sparse decode (the same
+  request sent to the decode server without transfer parameters: it converts after its prefill).
+- RPF's admission is at most a quarter of full transfer's, and the decode side's host memory for
+  the request (`oasiskv:disagg_request_host_bytes`) is smaller; both pools go back to zero.
+- The prefill server killed mid-decode: the client's stream ends with an error event within 5 s;
+  the decode server frees the request and serves the next one.
+One set of servers per transport; the kill comes last."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from oasiskv.disagg.nixl_transport import nixl_available
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
+from server_client import call, free_port, metrics, stream_events
+
+PROMPT_TOKENS, NEW_TOKENS = 4000, 8
+ENGINE = ["--max-model-len", "4200", "--sparse", "--top-k-blocks", "32", "--sparse-threshold", "2048",
+          "--host-kv-gb", "0.5", "--kv-cache-gb", "0.5", "--disable-log-stats"]
+HOST = "127.0.0.1"
+
+
+def prompt_ids(base: str) -> list[int]:
+    status, out = call(base, "/tokenize", {"prompt": open(argparse.__file__).read(), "add_special_tokens": False})
+    assert status == 200, out
+    return out["tokens"][:PROMPT_TOKENS]
+
+
+@pytest.fixture(scope="module", params=["socket", "nixl"])
+def servers(request):
+    transport = request.param
+    if transport == "nixl" and nixl_available() is not None:
+        pytest.skip(nixl_available())
+    engine = [*ENGINE, "--kv-transport", transport]
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+    url = {name: f"http://{HOST}:{port}" for name, port in ports.items()}
+    procs = {
+        "prefill": start_server([*engine, "--role", "prefill", "--kv-lease-ttl", "3"], HOST, ports["prefill"],
+                                wait=False),
+        "decode": start_server([*engine, "--role", "decode", "--rpf-strict"], HOST, ports["decode"], wait=False),
+        "proxy": subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
+                                   url["prefill"], "--decode", url["decode"], "--port", str(ports["proxy"]),
+                                   "--log-level", "warning"], start_new_session=True),
+    }
+    try:
+        for name, proc in procs.items():
+            wait_for_health(url[name], 600, proc)
+        yield {"url": url, "procs": procs, "ids": prompt_ids(url["decode"]), "transport": transport}
+    finally:
+        for proc in procs.values():
+            stop_server(proc, timeout=30)
+
+
+def complete(base: str, ids: list[int], transfer: dict | None = None, max_tokens: int = NEW_TOKENS):
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    if transfer is not None:
+        body["kv_transfer_params"] = transfer
+    status, out = call(base, "/v1/completions", body, timeout=600)
+    assert status == 200, out
+    return out["choices"][0]
+
+
+def decode_figures(url: dict, finished: int) -> dict:
+    """The decode server's figures once `finished` admitted requests are counted (a request's
+    answer may leave before the engine thread has recorded it)."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = metrics(url["decode"])
+        if m["oasiskv:disagg_request_host_bytes_count"] >= finished or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return {"admission": m["oasiskv:disagg_admission_bytes_total"],
+            "host": m["oasiskv:disagg_request_host_bytes_sum"], "remote": m["oasiskv:disagg_remote_read_bytes_total"]}
+
+
+def pools_drain(url: dict, timeout: float = 10.0) -> tuple[float, float, float]:
+    """(prefill host pool bytes, prefill leases, decode arena bytes) once all are zero, or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p, d = metrics(url["prefill"]), metrics(url["decode"])
+        got = (p["oasiskv:host_pool_bytes_used"], p["oasiskv:disagg_leases_held"],
+               d["oasiskv:disagg_host_bytes_used"])
+        if not any(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def runs(servers):
+    """The colocated reference, then strict RPF and full transfer through the proxy (socket
+    transport: NIXL's runs take the faults alone, to keep the module short)."""
+    if servers["transport"] != "socket":
+        pytest.skip("RPF against colocated and full is measured on the socket transport")
+    url, ids = servers["url"], servers["ids"]
+    colocated = complete(url["decode"], ids)
+    figures = {"start": decode_figures(url, 0)}
+    rpf = complete(url["proxy"], ids)
+    figures["rpf"] = decode_figures(url, 1)
+    drained_rpf = pools_drain(url)
+    full = complete(url["proxy"], ids, {"transfer_mode": "full"})
+    figures["full"] = decode_figures(url, 2)
+    return dict(colocated=colocated, rpf=rpf, full=full, figures=figures, drained_rpf=drained_rpf,
+                drained_full=pools_drain(url))
+
+
+def test_strict_rpf_equals_colocated_sparse_decode(runs):
+    colocated, rpf, full = runs["colocated"], runs["rpf"], runs["full"]
+    assert len(colocated["logprobs"]["tokens"]) == NEW_TOKENS
+    assert rpf["logprobs"]["tokens"] == colocated["logprobs"]["tokens"] and rpf["text"] == colocated["text"]
+    assert full["logprobs"]["tokens"] == colocated["logprobs"]["tokens"]
+
+
+def test_rpf_admission_and_decode_host_memory_below_full(runs):
+    f = runs["figures"]
+    rpf = {k: f["rpf"][k] - f["start"][k] for k in f["start"]}
+    full = {k: f["full"][k] - f["rpf"][k] for k in f["start"]}
+    print(f"admission bytes: rpf {rpf['admission']:.0f} full {full['admission']:.0f} "
+          f"({rpf['admission'] / full['admission']:.3f}); decode-side host bytes of the request: rpf "
+          f"{rpf['host']:.0f} full {full['host']:.0f} ({rpf['host'] / full['host']:.3f}); remote reads: rpf "
+          f"{rpf['remote']:.0f} B, full {full['remote']:.0f} B")
+    assert 0 < rpf["admission"] <= full["admission"] / 4
+    assert 0 < rpf["host"] < full["host"]
+    assert rpf["remote"] > 0 and full["remote"] == 0
+    assert runs["drained_rpf"] == (0, 0, 0) and runs["drained_full"] == (0, 0, 0)
+
+
+def test_chat_through_the_proxy_whole_and_streamed(servers):
+    """A short chat request is handed over too (converted whatever its length): its working set
+    then holds every block, so decode equals the decode server's own dense answer."""
+    url = servers["url"]
+    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    status, local = call(url["decode"], "/v1/chat/completions", body)
+    assert status == 200, local
+    status, whole = call(url["proxy"], "/v1/chat/completions", body)
+    assert status == 200, whole
+    text = whole["choices"][0]["message"]["content"]
+    assert text == local["choices"][0]["message"]["content"] and whole["usage"]["completion_tokens"] == 6
+    events = stream_events(url["proxy"], "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == text
+
+
+def stream_until(url: str, body: dict, stop_after: int):
+    """Open a streamed completion and return it after `stop_after` token events (still open)."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    r = urllib.request.urlopen(req, timeout=600)
+    events = 0
+    for line in r:
+        if line.startswith(b"data: {") and b'"error"' not in line:
+            events += 1
+            if events == stop_after:
+                return r
+    raise AssertionError("the stream ended early")
+
+
+def test_client_gone_mid_decode_frees_both_sides(servers):
+    """The client closes its stream after two tokens: the decode server aborts the request and
+    releases its lease at once, so both sides' pools drain to zero."""
+    url, ids = servers["url"], servers["ids"]
+    r = stream_until(url["proxy"], {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True}, 2)
+    r.close()
+    assert pools_drain(url) == (0, 0, 0)
+
+
+def test_prefill_killed_mid_decode(servers):
+    """After two streamed tokens the prefill server is killed: an error event within 5 s, the
+    request's memory freed on the decode side, which then serves a request of its own."""
+    url, ids = servers["url"], servers["ids"]
+    body = {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url["proxy"] + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events, killed, error_after = 0, None, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                error_after = time.monotonic() - killed
+                message = event["error"]["message"]
+                continue
+            events += 1
+            if events == 2:
+                os.killpg(servers["procs"]["prefill"].pid, signal.SIGKILL)
+                killed = time.monotonic()
+    print(f"prefill killed after 2 token events ({events} in all); the client's error {error_after:.2f} s later")
+    assert error_after is not None and error_after < 5.0 and "prefill" in message
+    assert call(url["decode"], "/health")[0] == 200
+    after = complete(url["decode"], ids[:200], max_tokens=4)
+    assert len(after["logprobs"]["tokens"]) == 4
+    d = metrics(url["decode"])
+    assert d["oasiskv:disagg_host_bytes_used"] == 0 and d["oasiskv:disagg_failed_requests_total"] == 1
+    assert d["oasiskv:disagg_leases_held"] == 0
+    status, out = call(url["proxy"], "/v1/completions", {"prompt": ids[:100], "max_tokens": 2})
+    assert status == 502 and "prefill" in out["error"]["message"]  # no prefill server left
