@@ -64,6 +64,9 @@ def check(a) -> None:
     for name, kwargs in runs.items():
         rows = run(kwargs, prompts, n)
         result["runs"][name] = rows
+        print(f"{name}: hit rate {[round(r['hit_rate'], 3) for r in rows]}, draft acceptance "
+              f"{[round(r['draft_acceptance'], 3) for r in rows]}", flush=True)
+        json.dump(result, open(a.output, "w"), indent=1)  # what is done so far, if the call ends early
         torch.cuda.empty_cache()
     same = [first_difference(r["tokens"], e["tokens"])
             for r, e in zip(result["runs"]["real float32"], exp["cpu_inline_float32"])]
