@@ -4,8 +4,9 @@ A step is either a prefill step (chunks of prompts, up to `max_num_batched_token
 decode step (one new token for every running sequence). Prefill goes first so new
 requests join the running batch quickly; long prompts are cut into chunks so a 32K
 prompt never needs 32K tokens of activations at once. A new request's leading blocks found in
-the prefix cache are shared and its prefill starts after them; one whose next block another
-request computes in the same step waits a step, and then finds it cached. When pages run out
+the prefix cache are shared and its prefill starts after them (and after the blocks after them
+that the host tier holds, loaded into its pages); one whose next block another request computes
+in the same step waits a step, and then finds it cached. When pages run out
 during decode the newest running sequence is preempted and later recomputed.
 """
 from __future__ import annotations
@@ -65,14 +66,15 @@ class Scheduler:
             hits = bm.cached_prefix(seq)  # its leading blocks already in the cache: shared, not prefilled
             if bm.next_block_name(seq, hits) in computing:
                 break  # its next block is computed in this step (another request's): it hits it next step
-            cached = len(hits) * bm.block_size
+            if self.sparse is not None and not self.sparse.reserve(seq, self.max_model_len):
+                break  # its full KV does not fit the host pool yet: it waits
+            host_hit = bm.host_prefix(seq, hits)  # the next blocks, in the host tier: loaded, not prefilled
+            cached = len(hits) * bm.block_size + (host_hit.num_tokens if host_hit else 0)
             n = min(seq.num_tokens - cached, budget)
             if not bm.can_admit(seq, hits, cached + n):
                 break
-            if self.sparse is not None and not self.sparse.reserve(seq, self.max_model_len):
-                break  # its full KV does not fit the host pool yet: it waits
             self.waiting.popleft()
-            bm.admit(seq, hits)
+            bm.admit(seq, hits, host_hit)
             computing.update(bm.names_computed(seq, n))
             bm.grow(seq, cached + n)
             seq.status = SequenceStatus.RUNNING
