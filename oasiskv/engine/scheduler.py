@@ -97,7 +97,8 @@ class Scheduler:
             if not bm.can_grow(seq, seq.num_tokens) and any(s.convert_early for s in seqs):
                 continue  # it waits one step: a conversion after this step frees pages
             while not bm.can_grow(seq, seq.num_tokens):
-                victim = pending.pop() if pending else seq
+                victim = self._victim(seq, seqs)
+                pending = [p for p in pending if p is not victim]
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -109,6 +110,17 @@ class Scheduler:
             self.preempt(self.running[-1])
             return self._schedule_prefill()
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
+
+    def _victim(self, seq: Sequence, scheduled: list[Sequence]) -> Sequence:
+        """Whom `seq` preempts for a page: the newest running request admitted after it and not
+        in this step's batch, chunked prefills included (spared, an older request would preempt
+        itself for a newer prefill, which then loses its pages to it again: a livelock); else itself."""
+        for s in reversed(self.running):
+            if s is seq:
+                break
+            if not any(s is x for x in scheduled):
+                return s
+        return seq
 
     def _convert_ahead(self, pending: list[Sequence]) -> bool:
         """Convert instead of preempting: while fewer pages are free (counting those the
