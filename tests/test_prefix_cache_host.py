@@ -75,6 +75,9 @@ def test_host_hits_equal_prefill(full_budget):
     first = llm.generate([DOC + tokens(2, 8)], GREEDY)[0]
     assert first.stats and first.num_host_cached_tokens == 0 and len(bm.host_tier.entries) == 1
     hits = bm.host_tier.hits
+    sparse, reused = llm.engine.runner.sparse, []
+    convert = sparse.convert
+    sparse.convert = lambda seq, *a: (reused.append(seq.host_summaries is not None), convert(seq, *a))
     forget_gpu_tier(llm)
     whole = llm.generate([DOC + tokens(3, 8)], GREEDY)[0]
     assert (whole.num_cached_tokens, whole.num_host_cached_tokens) == (64, 64) and whole.stats
@@ -87,6 +90,8 @@ def test_host_hits_equal_prefill(full_budget):
     dense = llm.generate([short_prompt], short)[0]
     assert (dense.num_cached_tokens, dense.num_host_cached_tokens) == (40, 40) and not dense.stats
     assert bm.host_tier.hits - hits == 64 + 40 + 40
+    sparse.convert = convert
+    assert reused == [True, True]  # both sparse hits converted from the entry's summaries
     assert_pools_whole(llm)
     ref = from_scratch(llm, [DOC + tokens(3, 8), DOC + tokens(4, 8)])
     assert all(r.stats and r.num_cached_tokens == 0 for r in ref)
