@@ -15,9 +15,10 @@
 # LOADS (default "shared-doc multi-turn"), CASES (default "dense sparse"), CASE_S (seconds per
 # case), EXTRA (more engine flags). A check on
 # CPU with the default model:
-#   MODEL= LOAD_FORMAT=auto N=3 DOC=80 Q=8 O=4 CONV=2 TURNS=3 FIRST=48 MAX_LEN=256 HOST_KV_GB=0.05 \
-#     SPARSE_KV_GB=0.004 EXTRA="--sparse-threshold 80 --top-k-blocks 2 --window-blocks 2" \
+#   MODEL= LOAD_FORMAT=auto N=3 DOC=80 Q=8 O=4 CONV=2 TURNS=3 FIRST=80 MAX_LEN=256 HOST_KV_GB=0.05 \
+#     SPARSE_KV_GB=0.009 EXTRA="--sparse-threshold 80 --top-k-blocks 2 --window-blocks 2" \
 #     PYTHON=.venv/bin/python bash scripts/gpu_bench_prefix.sh
+# (its sparse multi-turn run, 13 GPU pages, loads later turns' history from the host tier)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
