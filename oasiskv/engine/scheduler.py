@@ -4,9 +4,8 @@ A step is either a prefill step (chunks of prompts, up to `max_num_batched_token
 decode step (one new token for every running sequence). Prefill goes first so new
 requests join the running batch quickly; long prompts are cut into chunks so a 32K
 prompt never needs 32K tokens of activations at once. A new request's leading blocks found in
-the prefix cache are shared and its prefill starts after them (and after the blocks after them
-that the host tier holds, loaded into its pages); one whose next block another request computes
-in the same step waits a step, and then finds it cached. When pages run out
+the prefix cache are shared and its prefill starts after them; one whose next block another
+request computes in the same step waits a step, and then finds it cached. When pages run out
 during decode the newest running sequence is preempted and later recomputed.
 """
 from __future__ import annotations
