@@ -28,7 +28,7 @@ class FakeEngine:
         rid = self.queue.pop(0)
         n = len(self.prompts[rid])
         return [SimpleNamespace(request_id=rid, finished=True, token_ids=[n % 7, 1], metrics={"ttft": 0.5},
-                                num_cached_tokens=0)]
+                                num_cached_tokens=0, num_host_cached_tokens=0)]
 
 
 def args(**kw):

@@ -21,6 +21,7 @@ def test_stat_line_counts_the_interval(caplog):
     assert line in caplog.text
     assert "Running: 0 reqs (0 sparse)" in line and "Waiting: 0 reqs" in line
     assert "conversions: 2" in line and "sparse steps: " in line and "decode step: " in line
+    assert "Prefix cache hit rate: 0.0%, host tier: 0.0%" in line  # different prompts: no hit in either tier
     steps = llm.engine.step_stats["decode_steps"]
     assert f" x {steps} (" in line
     again = stats.maybe_log(llm.engine)  # nothing ran since: zero throughput, no step figures

@@ -49,3 +49,15 @@ def test_prefix_cache_counters_follow_the_block_manager():
     v = scraped(m)
     assert v["oasiskv:prefix_cache_queries_total"] == 300 and v["oasiskv:prefix_cache_hits_total"] == 160
     assert v["oasiskv:prefill_computed_tokens_total"] == 140
+
+
+def test_host_tier_counters_follow_its_cache():
+    m = ServerMetrics()
+    totals = dict.fromkeys(STEP_TOTALS, 0)
+    for queries, hits in ((100, 0), (300, 120)):
+        engine = fake_engine(0, totals, 0, (queries, 40, 0))
+        engine.block_manager.host_tier = SimpleNamespace(queries=queries, hits=hits)
+        m.observe_engine(engine)
+    v = scraped(m)
+    assert v["oasiskv:prefix_cache_queries_host_total"] == 300 and v["oasiskv:prefix_cache_hits_host_total"] == 120
+    assert v["oasiskv:prefix_cache_hits_total"] == 40  # the GPU tier's, apart

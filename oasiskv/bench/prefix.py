@@ -12,8 +12,8 @@ weights work):
   when the conversation's previous one finishes.
 
 Printed and written per (load, cache): mean and median TTFT, output tokens/s, the cache's hit
-rate (prompt tokens found cached / looked up), the prefill tokens computed, and whether the
-tokens equal the cache-off run's.
+rate (prompt tokens found cached / looked up) per tier (GPU pages; the host tier of a sparse
+engine), the prefill tokens computed, and whether the tokens equal the cache-off run's.
 """
 from __future__ import annotations
 
@@ -71,11 +71,16 @@ class Load:
                 c, turn, prompt = owner.pop(out.request_id)
                 records.append({"conversation": c, "turn": turn, "prompt_len": len(prompt),
                                 "ttft": out.metrics.get("ttft"), "cached_tokens": out.num_cached_tokens,
+                                "host_cached_tokens": out.num_host_cached_tokens,
                                 "token_ids": out.token_ids})
                 if turn < len(self.questions[c]):  # its next turn
                     nxt = prompt + out.token_ids + self.questions[c][turn]
                     owner[engine.add_request(nxt, params)] = (c, turn + 1, nxt)
         return sorted(records, key=lambda r: (r["conversation"], r["turn"]))
+
+
+class _NoHostTier:  # a dense engine's (no host tier): nothing looked up
+    queries = hits = 0
 
 
 def warm_up(engine) -> None:
@@ -86,6 +91,7 @@ def warm_up(engine) -> None:
     n = min(engine.config.max_num_batched_tokens + 64, engine.max_model_len - 8)
     if engine.runner.sparse is not None:
         n = min(max(n, engine.config.sparse_threshold + 64), engine.max_model_len - 8)
+    n = min(n, (engine.block_manager.num_pages - 1) * engine.config.block_size)  # a small GPU pool's room
     engine.add_request(list(range(n)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
@@ -96,12 +102,15 @@ def run_once(engine, load: Load, params, cache: str) -> dict:
     bm.enable_caching = cache == "on"
     bm.reset_prefix_cache()
     st = engine.step_stats
+    host = bm.host_tier or _NoHostTier
     before = dict(st, queries=bm.queries, hits=bm.hits, preemptions=engine.scheduler.num_preemptions,
-                  conversions=engine.runner.sparse.num_conversions if engine.runner.sparse else 0)
+                  conversions=engine.runner.sparse.num_conversions if engine.runner.sparse else 0,
+                  host_queries=host.queries, host_hits=host.hits)
     start = time.perf_counter()
     records = load.run(engine, params)
     duration = time.perf_counter() - start
     queries, hits = bm.queries - before["queries"], bm.hits - before["hits"]
+    host_queries, host_hits = host.queries - before["host_queries"], host.hits - before["host_hits"]
     ttft = [r["ttft"] for r in records if r["ttft"] is not None]
     n_out = sum(len(r["token_ids"]) for r in records)
     return {
@@ -113,6 +122,8 @@ def run_once(engine, load: Load, params, cache: str) -> dict:
         "prefill_tokens_computed": st["prefill_tokens"] - before["prefill_tokens"],
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "hit_rate": hits / queries if queries else 0.0,
+        "prefix_cache_queries_host": host_queries, "prefix_cache_hits_host": host_hits,
+        "host_hit_rate": host_hits / host_queries if host_queries else 0.0,
         "preemptions": engine.scheduler.num_preemptions - before["preemptions"],
         "conversions": (engine.runner.sparse.num_conversions if engine.runner.sparse else 0) - before["conversions"],
         "records": records,
@@ -142,7 +153,9 @@ def print_run(r: dict) -> None:
     line("Mean TTFT (ms):", r["mean_ttft_ms"], ".1f")
     line("Median TTFT (ms):", r["median_ttft_ms"], ".1f")
     line("Output token throughput (tok/s):", r["output_throughput"], ".1f")
-    line("Prefix cache hit rate (%):", 100 * r["hit_rate"], ".1f")
+    line("Prefix cache hit rate, GPU tier (%):", 100 * r["hit_rate"], ".1f")
+    if r["prefix_cache_queries_host"]:
+        line("Host tier hit rate (%):", 100 * r["host_hit_rate"], ".1f")
     line("Prefill tokens computed:", r["prefill_tokens_computed"])
     line("Preemptions / conversions:", f"{r['preemptions']} / {r['conversions']}")
     if "tokens_equal_fraction" in r:

@@ -205,6 +205,10 @@ def summarize(args, results: list[RequestResult], duration: float, before: dict,
     out["num_preemptions"] = int(delta("oasiskv:num_preemptions_total"))
     queries = delta("oasiskv:prefix_cache_queries_total")
     out["prefix_cache_hit_rate"] = delta("oasiskv:prefix_cache_hits_total") / queries if queries else None
+    host_queries = delta("oasiskv:prefix_cache_queries_host_total")
+    out["prefix_cache_host_hit_rate"] = (delta("oasiskv:prefix_cache_hits_host_total") / host_queries
+                                         if host_queries else None)
+    out["prefix_cache_host_hit_tokens"] = int(delta("oasiskv:prefix_cache_hits_host_total"))
     out["prefill_computed_tokens"] = int(delta("oasiskv:prefill_computed_tokens_total"))
     out["total_cached_tokens"] = sum(r.cached_tokens for r in ok)
     out["cached_tokens"] = [r.cached_tokens for r in results]
@@ -252,8 +256,11 @@ def print_result(res: dict) -> None:
         line("Hit rate, all steps (%):", 100 * (res["sparse_step_hit_rate"] or 0.0), ".1f")
         line("Conversions to sparse:", res["sparse_conversions"])
     if res.get("prefix_cache_hit_rate") is not None:
-        line("Prefix cache hit rate (%):", 100 * res["prefix_cache_hit_rate"], ".1f")
+        line("Prefix cache hit rate, GPU tier (%):", 100 * res["prefix_cache_hit_rate"], ".1f")
         line("Prompt tokens from the cache:", res["total_cached_tokens"])
+    if res.get("prefix_cache_host_hit_rate") is not None:
+        line("Host tier hit rate (%):", 100 * res["prefix_cache_host_hit_rate"], ".1f")
+        line("Prompt tokens from the host tier:", res["prefix_cache_host_hit_tokens"])
         line("Prefill tokens computed:", res["prefill_computed_tokens"])
     line("Preemptions:", res.get("num_preemptions", 0))
     print("=" * 50)

@@ -8,6 +8,10 @@ of prefilling them. A page whose count drops to zero joins `free_pages`, an LRU 
 its K/V and its name until it is handed out again, and only then is its name dropped. A request
 only ever writes into pages it holds alone and that have no name: hits cover whole blocks before
 the first token it computes, and the caller asks `take_own` before reusing a page of its own.
+
+Below the pages, a sparse engine keeps a host tier (`sparse/host_cache.py`): finished sparse
+requests' full KV in the host pool, under the same names. A request's leading blocks past its
+GPU hits that the host tier holds are loaded into new pages of its own instead of prefilled.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class BlockManager:
         # and those found cached.
         self.queries = 0
         self.hits = 0
+        self.host_tier = None  # HostPrefixCache of a sparse engine (the engine sets it)
 
     @property
     def num_free(self) -> int:
@@ -85,6 +90,9 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         # Last block first, so the LRU list evicts a request's tail before the prefix it shares.
         self.release(reversed(seq.pages))
+        if seq.host_load is not None:  # admitted on a host hit that was never loaded
+            self.host_tier.unpin(seq.host_load.entry)
+            seq.host_load = None
         seq.pages = []
         seq.num_cached_tokens = 0
         seq.num_named_blocks = 0
@@ -117,6 +125,13 @@ class BlockManager:
         names = seq.block_names
         return names[len(hits)] if self.enable_caching and len(hits) < len(names) else None
 
+    def host_prefix(self, seq: Sequence, hits: list[int]):
+        """`seq`'s leading blocks after its GPU hits `hits` that the host tier holds (a
+        `HostHit`, or None); `cached_prefix` computed the names it looks up."""
+        if self.host_tier is None or not self.enable_caching or seq.params.prompt_logprobs is not None:
+            return None
+        return self.host_tier.lookup(seq.block_names, len(hits))
+
     def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
         """Room for `seq`'s first `num_tokens` tokens when it shares the pages `hits`: new pages,
         plus the hits nobody holds now (they leave the free list)."""
@@ -124,21 +139,32 @@ class BlockManager:
         idle = sum(self.ref_counts[p] == 0 for p in hits)
         return want - len(hits) + idle <= self.num_free
 
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """`seq` (holding no page) shares `hits`; its prefill starts after them."""
+    def admit(self, seq: Sequence, hits: list[int], host_hit=None) -> None:
+        """`seq` (holding no page) shares `hits`; its prefill starts after them, and after the
+        blocks of `host_hit` (from `host_prefix`), which the next step loads into the pages
+        `grow` gives it (the entry is pinned until then)."""
         assert not seq.pages, "a request is admitted with an empty page table"
         for p in hits:
             if self.ref_counts[p] == 0:
                 del self.free_pages[p]
             self.ref_counts[p] += 1
         seq.pages = list(hits)
-        seq.num_cached_tokens = len(hits) * self.block_size
+        gpu_tokens = len(hits) * self.block_size
+        host_tokens = host_hit.num_tokens if host_hit is not None else 0
+        seq.num_cached_tokens = gpu_tokens + host_tokens
         seq.num_named_blocks = len(hits)
+        if host_hit is not None:
+            self.host_tier.pin(host_hit.entry)
+            seq.host_load = host_hit
         if self.enable_caching and seq.params.prompt_logprobs is None:
             self.queries += seq.num_tokens
-            self.hits += seq.num_cached_tokens
+            self.hits += gpu_tokens
+            if self.host_tier is not None:
+                self.host_tier.queries += seq.num_tokens
+                self.host_tier.hits += host_tokens
         if seq.prefix_hit_tokens is None:
             seq.prefix_hit_tokens = seq.num_cached_tokens
+            seq.host_hit_tokens = host_tokens
 
     def name_full_blocks(self, seq: Sequence) -> None:
         """After a step: name `seq`'s blocks that are now full and computed, so later requests find
@@ -175,6 +201,9 @@ class BlockManager:
         return own[:n]
 
     def reset_prefix_cache(self) -> None:
-        """Forget every name (vLLM's reset_prefix_cache): later requests prefill from scratch."""
+        """Forget every name, in both tiers (vLLM's reset_prefix_cache): later requests prefill
+        from scratch."""
         self.named.clear()
         self.page_name = [None] * self.num_pages
+        if self.host_tier is not None:
+            self.host_tier.clear()

@@ -65,6 +65,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None  # the sum of the generated tokens' logprobs
     error: str | None = None  # the request's own work failed (finish_reason "error"): why
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (vLLM's name)
+    num_host_cached_tokens: int | None = None  # of those, found in its host tier (sparse engines)
 
 
 def _parallel_runner(config: EngineConfig) -> ModelRunner:
@@ -85,6 +86,8 @@ class LLMEngine:
                            config.block_size)
         self.block_manager = BlockManager(self.runner.num_pages, config.block_size, config.enable_prefix_caching,
                                           salt)
+        if self.runner.sparse is not None and config.tensor_parallel_size == 1:  # (ranks mirror host extents)
+            self.block_manager.host_tier = self.runner.sparse.enable_host_tier()
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.sparse, self.max_model_len)
@@ -375,4 +378,4 @@ class LLMEngine:
                              # complete once the prompt is done, never changed after: shared, not copied
                              prompt_logprobs=(seq.prompt_logprobs or [None]) if p.prompt_logprobs is not None else None,
                              cumulative_logprob=seq.cumulative_logprob if asked else None, error=seq.error,
-                             num_cached_tokens=seq.prefix_hit_tokens)
+                             num_cached_tokens=seq.prefix_hit_tokens, num_host_cached_tokens=seq.host_hit_tokens)

@@ -226,6 +226,8 @@ class ModelRunner(SparseDecodeMixin):
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Runs one step; returns the sampled token per sequence (None: mid-prompt chunk)."""
         if batch.is_prefill:
+            if self.sparse is not None and self.sparse.host_cache is not None:
+                self.sparse.load_host_hits(batch.seqs)  # host-tier hits into their pages first
             ids, positions, meta, rows, prompt_rows = self.prepare_prefill(batch)
             hidden = self.model(ids, positions, self.kv_caches, meta)
             for seq, first, pos, n in prompt_rows:

@@ -77,14 +77,15 @@ class Scheduler:
             hits = bm.cached_prefix(seq)  # its leading blocks already in the cache: shared, not prefilled
             if bm.next_block_name(seq, hits) in computing:
                 break  # its next block is computed in this step (another request's): it hits it next step
-            cached = len(hits) * bm.block_size
+            if self.sparse is not None and not self.sparse.reserve(seq, self.max_model_len):
+                break  # its full KV does not fit the host pool yet: it waits
+            host_hit = bm.host_prefix(seq, hits)  # the next blocks, in the host tier: loaded, not prefilled
+            cached = len(hits) * bm.block_size + (host_hit.num_tokens if host_hit else 0)
             n = min(seq.num_tokens - cached, budget)
             if not bm.can_admit(seq, hits, cached + n):
                 break
-            if self.sparse is not None and not self.sparse.reserve(seq, self.max_model_len):
-                break  # its full KV does not fit the host pool yet: it waits
             self.waiting.popleft()
-            bm.admit(seq, hits)
+            bm.admit(seq, hits, host_hit)
             computing.update(bm.names_computed(seq, n))
             bm.grow(seq, cached + n)
             seq.status = SequenceStatus.RUNNING
@@ -107,7 +108,8 @@ class Scheduler:
             if not bm.can_grow(seq, seq.num_tokens) and any(s.convert_early for s in seqs):
                 continue  # it waits one step: a conversion after this step frees pages
             while not bm.can_grow(seq, seq.num_tokens):
-                victim = pending.pop() if pending else seq
+                victim = self._victim(seq, seqs)
+                pending = [p for p in pending if p is not victim]
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -119,6 +121,17 @@ class Scheduler:
             self.preempt(self.running[-1])
             return self._schedule_prefill()
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
+
+    def _victim(self, seq: Sequence, scheduled: list[Sequence]) -> Sequence:
+        """Whom `seq` preempts for a page: the newest running request admitted after it and not
+        in this step's batch, chunked prefills included (spared, an older request would preempt
+        itself for a newer prefill, which then loses its pages to it again: a livelock); else itself."""
+        for s in reversed(self.running):
+            if s is seq:
+                break
+            if not any(s is x for x in scheduled):
+                return s
+        return seq
 
     def _convert_ahead(self, pending: list[Sequence]) -> bool:
         """Convert instead of preempting: while fewer pages are free (counting those the

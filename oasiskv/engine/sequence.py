@@ -46,10 +46,15 @@ class Sequence:
     token_counts: object = None  # TokenCounts, for penalties
     error: str | None = None  # its own work (sampling, stop check, output) failed: why
     # Prefix cache (oasiskv.engine.block_manager): names of its full blocks so far, how many of its
-    # pages the cache knows by name, and its prompt tokens found cached when it was first admitted.
+    # pages the cache knows by name, and its prompt tokens found cached when it was first admitted
+    # (both tiers; of those, the host tier's). Host tier (oasiskv.sparse.host_cache): a hit
+    # admitted but not yet loaded into its pages, and the hit blocks' summaries until it converts.
     block_names: list[bytes] = field(default_factory=list)
     num_named_blocks: int = 0
     prefix_hit_tokens: int | None = None
+    host_hit_tokens: int | None = None
+    host_load: object = None
+    host_summaries: tuple | None = None
     _page_cache: tuple | None = field(default=None, repr=False)  # (the list, its int64 array)
 
     @property

@@ -33,6 +33,8 @@ class StatLogger:
                  f"GPU KV cache usage: {100 * (bm.num_pages - bm.num_free) / bm.num_pages:.1f}%"]
         if d["prefix_queries"]:
             parts.append(f"Prefix cache hit rate: {100 * d['prefix_hits'] / d['prefix_queries']:.1f}%")
+        if d.get("prefix_queries_host"):
+            parts.append(f"host tier: {100 * d['prefix_hits_host'] / d['prefix_queries_host']:.1f}%")
         if d["decode_steps"]:
             parts.append(f"decode step: {1e3 * d['decode_time'] / d['decode_steps']:.2f} ms "
                          f"x {d['decode_steps']:.0f} ({100 * d['overlapped_steps'] / d['decode_steps']:.0f}% overlapped)")
@@ -57,6 +59,9 @@ class StatLogger:
         totals["preemptions"] = getattr(engine.scheduler, "num_preemptions", 0)
         totals["prefix_queries"] = engine.block_manager.queries
         totals["prefix_hits"] = engine.block_manager.hits
+        host_tier = getattr(engine.block_manager, "host_tier", None)
+        if host_tier is not None:
+            totals["prefix_queries_host"], totals["prefix_hits_host"] = host_tier.queries, host_tier.hits
         sparse = engine.runner.sparse
         if sparse is not None:
             totals.update(sparse.totals)

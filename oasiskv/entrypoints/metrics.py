@@ -45,7 +45,12 @@ class ServerMetrics:
         self.generation_tokens = add(Counter, "generation_tokens", "Generated tokens.")
         self.prefix_queries = add(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                   "cache at admission (a preempted request's again when it is readmitted).")
-        self.prefix_hits = add(Counter, "prefix_cache_hits", "Of those, tokens found cached (not prefilled).")
+        self.prefix_hits = add(Counter, "prefix_cache_hits", "Of those, tokens found cached in GPU pages "
+                               "(shared, not prefilled).")
+        self.prefix_queries_host = add(Counter, "prefix_cache_queries_host", "Prompt tokens looked up at "
+                                       "admission with the host tier on (sparse engines): as prefix_cache_queries.")
+        self.prefix_hits_host = add(Counter, "prefix_cache_hits_host", "Of those, tokens found in the host tier "
+                                    "past the GPU hits (loaded into pages, not prefilled).")
         self.prefill_computed = add(Counter, "prefill_computed_tokens", "Tokens the prefill steps computed "
                                     "(prompt tokens not found cached, and recomputed ones after preemption).")
         self.preemptions = add(Counter, "num_preemptions", "Requests preempted (KV dropped, recomputed "
@@ -154,6 +159,10 @@ class ServerMetrics:
         self._advance(self.preemptions, "preemptions", getattr(sched, "num_preemptions", 0))
         self._advance(self.prefix_queries, "prefix_queries", bm.queries)
         self._advance(self.prefix_hits, "prefix_hits", bm.hits)
+        host_tier = getattr(bm, "host_tier", None)
+        if host_tier is not None:
+            self._advance(self.prefix_queries_host, "prefix_queries_host", host_tier.queries)
+            self._advance(self.prefix_hits_host, "prefix_hits_host", host_tier.hits)
         self._advance(self.prefill_computed, "prefill_computed", engine.step_stats["prefill_tokens"])
         self._disagg = getattr(engine, "disagg_stats", None)
         if self._disagg is not None:

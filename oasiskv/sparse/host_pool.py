@@ -6,14 +6,16 @@ The unit is an item: the K and V of one (layer, block, kv head), `[2, block_size
 the same bytes as one GPU slot (kernels/reference.py), so one transfer is one contiguous item
 (8 KiB at 16 x 128 x bf16). A request gets one contiguous extent laid out [layer][block][head]:
 a block's heads are adjacent, and a whole layer of the request is one contiguous range.
-Extents are placed first-fit over a sorted free list; freeing coalesces neighbours.
+Extents are placed first-fit over a sorted free list; freeing coalesces neighbours. Finished
+requests' extents may stay as the prefix cache's host tier (`host_cache.HostPrefixCache`):
+when no free range fits, allocation evicts them, least recently used first.
 """
 from __future__ import annotations
 
 import bisect
 import mmap
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -120,6 +122,7 @@ class HostKVPool:
         self.items = pinned_empty(shape, dtype, huge_pages) if self.pinned else torch.empty(shape, dtype=dtype)
         self._free: list[tuple[int, int]] = [(0, num_items)] if num_items else []  # (start, length)
         self._extents: dict[int | str, HostExtent] = {}
+        self.cache = None  # the HostPrefixCache whose extents allocation may evict (it sets this)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -135,8 +138,14 @@ class HostKVPool:
         return self.items_free * self.item_bytes
 
     @property
+    def items_cached(self) -> int:
+        """Items of finished requests' extents kept as the prefix cache (free when needed)."""
+        return self.cache.items_cached if self.cache is not None else 0
+
+    @property
     def bytes_used(self) -> int:
-        return (self.num_items - self.items_free) * self.item_bytes
+        """Bytes that requests hold (the prefix cache's extents not counted)."""
+        return (self.num_items - self.items_free - self.items_cached) * self.item_bytes
 
     def largest_free_items(self) -> int:
         return max((n for _, n in self._free), default=0)
@@ -148,12 +157,20 @@ class HostKVPool:
     # ------------------------------------------------------------------ allocation
     def allocate(self, request_id: int | str, num_layers: int, max_blocks: int,
                  num_kv_heads: int) -> HostExtent | None:
-        """First free range that fits; None if none does now (the caller makes it wait)."""
+        """First free range that fits, evicting the prefix cache's extents (least recently used
+        first) until one does; None if none does now (the caller makes it wait)."""
         if request_id in self._extents:
             raise ValueError(f"request {request_id!r} already holds a host extent")
         need = num_layers * max_blocks * num_kv_heads
         if need <= 0:
             raise ValueError("an extent needs at least one item")
+        while True:
+            ext = self._first_fit(request_id, need, num_layers, max_blocks, num_kv_heads)
+            if ext is not None or self.cache is None or not self.cache.evict_lru():
+                return ext
+
+    def _first_fit(self, request_id, need: int, num_layers: int, max_blocks: int,
+                   num_kv_heads: int) -> HostExtent | None:
         for i, (start, n) in enumerate(self._free):
             if n >= need:
                 if n == need:
@@ -177,6 +194,12 @@ class HostKVPool:
             self._free[i - 1] = (start, prev_n + n)
         else:
             self._free.insert(i, (start, n))
+
+    def rename(self, request_id: int | str, new_id: int | str) -> HostExtent:
+        """The extent passes to another key (a finished request's, to the prefix cache)."""
+        ext = replace(self._extents.pop(request_id), request_id=new_id)
+        self._extents[new_id] = ext
+        return ext
 
     def extent(self, request_id: int | str) -> HostExtent | None:
         return self._extents.get(request_id)

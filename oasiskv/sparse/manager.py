@@ -20,6 +20,7 @@ from oasiskv.sparse.capped_eviction import EvictionPlan, admission_ranks, capped
 from oasiskv.sparse.config import MIN_CONTEXT_PER_WORKING_SET, PRESSURE_CONTEXT_PER_WORKING_SET, SparseConfig
 from oasiskv.sparse.fetch_budget import FetchBudget, share_budget
 from oasiskv.sparse.drafters import TokenHistory, next_draft
+from oasiskv.sparse.host_cache import HostHit, HostPrefixCache
 from oasiskv.sparse.host_pool import HostKVPool
 from oasiskv.sparse.summaries import summary_dtype, update_block_minmax, write_block_minmax
 from oasiskv.sparse.working_set import WorkingSet
@@ -75,6 +76,13 @@ class SparseManager:
         self.totals = dict.fromkeys(STEP_TOTALS, 0)
         self.num_conversions = 0
         self.budget = FetchBudget(cfg.fetch_budget, self.item_bytes, self.L)  # the in-line path's
+        self.host_cache: HostPrefixCache | None = None  # the prefix cache's host tier, once enabled
+
+    def enable_host_tier(self) -> HostPrefixCache:
+        """Finished requests' extents stay as the prefix cache's host tier (docs/prefix_caching.md)."""
+        if self.host_cache is None:
+            self.host_cache = HostPrefixCache(self.host)
+        return self.host_cache
 
     # ---- admission (scheduler side) -------------------------------------------------
     def max_tokens(self, seq, max_model_len: int) -> int:
@@ -87,21 +95,72 @@ class SparseManager:
         return math.ceil(self.max_tokens(seq, max_model_len) / self.block_size)
 
     def reserve(self, seq, max_model_len: int) -> bool:
-        """Host bytes for the request's full KV, taken at admission; False = it must wait."""
+        """Host bytes for the request's full KV, taken at admission; False = it must wait. The
+        host-tier entry its prefix hits is kept while room is made, unless only its eviction
+        makes room."""
         if getattr(seq, "host_extent", None) is not None or not self.may_go_sparse(seq, max_model_len):
             return True
-        extent = self.host.allocate(seq.request_id, self.L, self.max_blocks(seq, max_model_len), self.Hkv)
+        args = (seq.request_id, self.L, self.max_blocks(seq, max_model_len), self.Hkv)
+        hit = self.host_cache.lookup(seq.block_names) if self.host_cache is not None else None
+        if hit is not None:
+            self.host_cache.pin(hit.entry)
+            extent = self.host.allocate(*args)
+            self.host_cache.unpin(hit.entry)
+        if hit is None or extent is None:
+            extent = self.host.allocate(*args)
         seq.host_extent = extent
         return extent is not None
 
     def release(self, seq) -> None:
-        """The request is done: its pipeline row (counters kept in its stats) and host extent go."""
+        """The request is done: its pipeline row (counters kept in its stats) goes, and its host
+        extent goes back to the pool, or, with the host tier on, stays there as cached blocks."""
         self.leave_pipeline(seq)
-        if seq.sparse is not None and seq.sparse.remote is not None:
-            self.remote.release(seq.sparse)
-        if getattr(seq, "host_extent", None) is not None:
+        ws = seq.sparse
+        if ws is not None and ws.remote is not None:
+            self.remote.release(ws)
+        if getattr(seq, "host_extent", None) is None:
+            return
+        if self.host_cache is None or ws is None or ws.remote is not None:
             self.host.free(seq.request_id)
-            seq.host_extent = None
+        else:
+            names = seq.block_names[:ws.exact_blocks]
+            kmin, kmax = self.summaries(ws, len(names))
+            self.host_cache.keep(seq.request_id, names, kmin, kmax)
+        seq.host_extent = None
+
+    def summaries(self, ws, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's first blocks' summaries [L, num_blocks, Hkv, D]: the pipeline's arena
+        range (addressed by the extent, so it lasts as long as the extent) or the working set's
+        own, moved to the host (they would otherwise hold device memory no budget counts)."""
+        if ws.kmin is None:
+            offset = ws.extent.start // (self.L * self.Hkv)
+            return (self.pipeline.kmin[:, offset:offset + num_blocks],
+                    self.pipeline.kmax[:, offset:offset + num_blocks])
+        return ws.kmin[:, :num_blocks].cpu(), ws.kmax[:, :num_blocks].cpu()
+
+    # ---- the prefix cache's host tier (worker side) ---------------------------------
+    @torch.inference_mode()
+    def load_host_hits(self, seqs) -> None:
+        """Before a prefill step: each request admitted on a host-tier hit (`seq.host_load`)
+        gets the hit blocks' K/V copied from the host into its GPU pages, and (if it may go
+        sparse) their summaries, for its conversion to reuse; then the entry is unpinned."""
+        for seq in seqs:
+            hit: HostHit | None = seq.host_load
+            if hit is None:
+                continue
+            first, n = hit.first_block, hit.num_blocks
+            pages = torch.tensor(seq.pages[first:first + n], device=self.device)
+            slots = (pages[:, None] * self.Hkv + torch.arange(self.Hkv, device=self.device)).flatten()
+            items = self.host.extent_items(hit.entry.extent)  # [L, max_blocks, H, 2, bs, D]
+            for layer in range(self.L):  # a layer's blocks are one contiguous host range
+                src = items[layer, first:first + n].flatten(0, 1)
+                self.kv[layer][slots] = src.to(self.device)  # synchronous: the entry is unpinned next
+            if seq.host_extent is not None:
+                end = first + n
+                seq.host_summaries = (hit.entry.kmin[:, :end].to(self.device, copy=True),
+                                      hit.entry.kmax[:, :end].to(self.device, copy=True))
+            self.host_cache.unpin(hit.entry)
+            seq.host_load = None
 
     def leave_pipeline(self, seq) -> None:
         ws = getattr(seq, "sparse", None)
@@ -169,14 +228,21 @@ class SparseManager:
         ws = WorkingSet(cfg, new_pages, ext,
                         blocks=torch.full((L, H, P), -1, dtype=torch.int32),
                         last_selected=torch.full((L, H, cfg.top_k_blocks), -1, dtype=torch.int64),
-                        kmin=kmin, kmax=kmax)
+                        kmin=kmin, kmax=kmax, exact_blocks=n // bs)
         items = self.host.extent_items(ext)  # [L, max_blocks, H, 2, bs, D]
+        # The leading blocks' summaries from a host-tier hit, as they were computed (the same K).
+        reused = 0
+        if seq.host_summaries is not None:
+            reused = min(seq.host_summaries[0].shape[1], n // bs)
+            kmin[:, :reused] = seq.host_summaries[0][:, :reused]
+            kmax[:, :reused] = seq.host_summaries[1][:, :reused]
+            seq.host_summaries = None
         # Every layer's blocks go to the host and into summaries without a sync between layers.
         for layer in range(L):
             block_kv = self.kv[layer][dense_slots]  # [nb, H, 2, bs, D]
             items[layer, :nb].copy_(block_kv, non_blocking=True)
-            keys = block_kv[:, :, 0].transpose(1, 2).reshape(nb * bs, H, self.D)[:n]
-            write_block_minmax(kmin[layer], kmax[layer], keys, bs)
+            keys = block_kv[reused:, :, 0].transpose(1, 2).reshape((nb - reused) * bs, H, self.D)[:n - reused * bs]
+            write_block_minmax(kmin[layer, reused:], kmax[layer, reused:], keys, bs)
         # The top-K of every layer in one scan, each layer's summaries taken as a sequence.
         win_start, cur = ws.window_start(n, bs), n // bs
         dev = self.device

@@ -74,6 +74,7 @@ class WorkingSet:
     stats: SparseStats = field(default_factory=SparseStats)
     row: int | None = None  # its row of the LookaheadPipeline, when that path runs it
     remote: object = None  # a disaggregated request's RemoteRequest: its blocks come from a peer
+    exact_blocks: int = 0  # full blocks when it converted: computed dense, so the host tier may name them
 
     @property
     def dynamic(self) -> slice:
