@@ -32,7 +32,8 @@ def test_reasoning_cli_full_budget_is_dense(tmp_path, capsys):
                      "--output-json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     dense, full = (runs[k]["per_problem"][0] for k in runs)
-    assert dense["prompt_tokens"] > 96 and len(dense["token_ids"]) > 8  # converts after the prefill
-    assert dense["sparse_steps"] == 0 and full["sparse_steps"] == len(full["token_ids"]) - 1
-    assert full["token_ids"] == dense["token_ids"] and full["identical_to_dense"] == len(dense["token_ids"])
+    assert dense["prompt_tokens"] > 96 and dense["generated_tokens"] > 8  # converts after the prefill
+    assert dense["sparse_steps"] == 0 and full["sparse_steps"] == full["generated_tokens"] - 1
+    assert full["identical_to_dense"] == full["generated_tokens"] == dense["generated_tokens"]
+    assert full["text"] == dense["text"]
     assert "| self:top_k_blocks=64,fetch_ratio=1.0 |" in capsys.readouterr().out

@@ -41,9 +41,10 @@ def run_problems(llm, problems, max_tokens: int) -> list[dict]:
 
     prompts = [llm.apply_chat_template([{"role": "user", "content": p.prompt}]) for p in problems]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return [{"name": p.name, "prompt_tokens": len(o.prompt_token_ids), "token_ids": o.token_ids,
-             "text": o.text, "answer": parse_answer(o.text), "right": parse_answer(o.text) == p.answer,
-             "sparse_steps": o.stats.get("sparse_steps", 0)} for p, o in zip(problems, outs)]
+    return [{"name": p.name, "prompt_tokens": len(o.prompt_token_ids), "generated_tokens": len(o.token_ids),
+             "token_ids": o.token_ids, "text": o.text, "answer": parse_answer(o.text),
+             "right": parse_answer(o.text) == p.answer, "sparse_steps": o.stats.get("sparse_steps", 0)}
+            for p, o in zip(problems, outs)]
 
 
 def run_reasoning(args) -> int:
@@ -62,9 +63,9 @@ def run_reasoning(args) -> int:
         llm = LLM.from_config(cfg)
         rows = run_problems(llm, problems, args.max_tokens)
         del llm
-        dense = dense or rows
+        dense = dense or [r["token_ids"] for r in rows]
         for r, d in zip(rows, dense):
-            r["identical_to_dense"] = first_difference(r["token_ids"], d["token_ids"])
+            r["identical_to_dense"] = first_difference(r.pop("token_ids"), d)
         results["runs"][spec] = {
             "config": {k: v for k, v in asdict(cfg).items() if k in (
                 "sparse", "drafter", "top_k_blocks", "sink_blocks", "window_blocks", "fetch_ratio",
@@ -90,9 +91,9 @@ def print_reasoning_table(results: dict) -> None:
     for spec, run in runs.items():
         rows = run["per_problem"]
         same = sorted(r["identical_to_dense"] for r in rows)
-        whole = sum(r["identical_to_dense"] == len(r["token_ids"]) == len(d["token_ids"])
+        whole = sum(r["identical_to_dense"] == r["generated_tokens"] == d["generated_tokens"]
                     for r, d in zip(rows, dense))
         agree = sum(r["answer"] == d["answer"] for r, d in zip(rows, dense))
         print(f"| {spec} | {run['right']}/{run['total']} | {sum(r['sparse_steps'] for r in rows)} "
-              f"| {sum(len(r['token_ids']) for r in rows)} | {sum(same)} ({same[len(same) // 2]}) "
+              f"| {sum(r['generated_tokens'] for r in rows)} | {sum(same)} ({same[len(same) // 2]}) "
               f"| {whole}/{len(rows)} | {agree}/{len(rows)} |")
