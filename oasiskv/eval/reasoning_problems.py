@@ -65,8 +65,10 @@ PROGRAMS = {
     "fib-mod": "a, b = 1, 1\nfor _ in range(25):\n    a, b = b, (a + b) % 100\nprint(b)\n",
 }
 
-PROBLEMS: list[Problem] = (
-    [collatz(n) for n in (6, 7, 9, 15, 25, 27, 31)]
-    + [recurrence(3, 5, 2, 17, 12), recurrence(4, 3, 7, 23, 15), recurrence(10, 7, 1, 31, 20),
-       recurrence(2, 2, 3, 19, 25), recurrence(5, 4, 9, 29, 18), recurrence(1, 6, 5, 37, 30)]
-    + [program_output(name, source) for name, source in PROGRAMS.items()])
+_KINDS = (
+    [collatz(n) for n in (6, 7, 9, 15, 25, 27, 31)],
+    [recurrence(3, 5, 2, 17, 12), recurrence(4, 3, 7, 23, 15), recurrence(10, 7, 1, 31, 20),
+     recurrence(2, 2, 3, 19, 25), recurrence(5, 4, 9, 29, 18), recurrence(1, 6, 5, 37, 30)],
+    [program_output(name, source) for name, source in PROGRAMS.items()])
+# The kinds interleaved, so that the first N (--problems N) mix them.
+PROBLEMS: list[Problem] = [p for i in range(max(map(len, _KINDS))) for kind in _KINDS for p in kind[i:i + 1]]
