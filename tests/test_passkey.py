@@ -2,10 +2,11 @@
 sink 1, threshold 1024, `self` drafter) retrieves as many keys as dense. A few cases here;
 `oasiskv eval passkey` runs more (docs/accuracy.md)."""
 import json
+import re
 
 from oasiskv import LLM
 from oasiskv.entrypoints.cli import main as cli_main
-from oasiskv.eval.passkey import make_cases, score
+from oasiskv.eval.passkey import is_right, make_cases, score
 
 SPARSE = dict(sparse=True, top_k_blocks=32, window_blocks=4, sink_blocks=1, sparse_threshold=1024,
               drafter="self", host_kv_gb=1.0)
@@ -65,3 +66,36 @@ def test_fresh_set_is_fixed_and_scored_on_the_exact_number():
     assert run_config(base, "dense").sparse is False
     cfg = run_config(base, "oracle:fetch_ratio=0.02,top_k_blocks=64")
     assert (cfg.sparse, cfg.drafter, cfg.fetch_ratio, cfg.top_k_blocks) == (True, "oracle", 0.02, 64)
+
+
+def test_multikey_prompt_names_every_key_once_and_asks_for_one():
+    """--keys 4: four named keys with distinct numbers, each stated once, the asked one at the
+    case's depth; the question names it; a distractor's key scores wrong."""
+    from oasiskv.eval.passkey import make_case
+    from oasiskv.models.loader import resolve_model
+    from oasiskv.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(None))
+    for depth, seed in ((0.1, 0), (0.9, 5)):
+        c = make_case(tok, 1500, depth, seed, keys=4)
+        assert make_case(tok, 1500, depth, seed, keys=4).token_ids == c.token_ids  # fixed
+        text = tok.decode(c.token_ids)
+        assert len(c.token_ids) == 1500 and len({c.key, *c.distractors}) == 4
+        for key in (c.key, *c.distractors):
+            assert text.count(f" is {key}. Remember it. {key} is the pass key of the ") == 1
+        asked = re.search(rf"The pass key of the (\w+) is {c.key}\.", text).group(1)
+        assert text.endswith(f"What is the pass key of the {asked}? The pass key of the {asked} is")
+        position = text.index(c.key) / len(text)
+        assert abs(position - depth) < 0.1
+        assert not is_right(f" {c.distractors[0]}.", c.key, exact=True)
+    assert make_case(tok, 1500, 0.5, 0).distractors == ()  # one key: the suite's prompt
+
+
+def test_passkey_cli_multikey(tmp_path):
+    out = tmp_path / "pk.json"
+    assert cli_main(["eval", "passkey", "--context-len", "600", "--keys", "3", "--depths", "0.5", "--seeds", "0",
+                     "--drafters", "self", "--sparse-threshold", "256", "--top-k-blocks", "4",
+                     "--output-json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert (res["keys"], res["scoring"]) == (3, "exact number")
+    assert all(len(c["distractors"]) == 2 for r in res["runs"].values() for c in r["per_case"])

@@ -8,6 +8,9 @@ results. Two prompt sets:
 - `fresh`: 30 prompts on real text that ships with Python (three standard library modules'
   source x five depths x two seeds, none of them the suite's); an answer is right only when
   its first number equals the key.
+`--keys N` (either set) hides N keys with different names, as RULER's multi-key needle task:
+the asked key at the case's depth, the others at random depths; the question names one key,
+and an answer is right only when its first number is that key (a distractor's key is wrong).
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ QUESTION = "What is the pass key? The pass key is"
 FRESH_FILLERS = ("argparse", "shutil", "calendar")
 FRESH_DEPTHS = (0.05, 0.25, 0.45, 0.65, 0.85)
 FRESH_SEEDS = (10, 11)
+# Names of the keys of a multi-key prompt: no word of the suite's filler, one token or two each.
+KEY_NAMES = ("fox", "owl", "whale", "tiger", "heron", "bison", "lynx", "gecko")
 
 
 @dataclass
@@ -32,39 +37,63 @@ class PasskeyCase:
     key: str
     token_ids: list[int]
     filler: str = "grass"
+    distractors: tuple[str, ...] = ()  # the other keys of a multi-key prompt
 
 
 def make_case(tokenizer, context_tokens: int, depth: float, seed: int,
-              filler: str = "grass", filler_ids: list[int] | None = None) -> PasskeyCase:
+              filler: str = "grass", filler_ids: list[int] | None = None, keys: int = 1) -> PasskeyCase:
     """A prompt of about `context_tokens` tokens with the key at `depth` of the filler. The
-    filler is `filler_ids` from its start (repeated if short), else the suite's sentence."""
+    filler is `filler_ids` from its start (repeated if short), else the suite's sentence.
+    keys > 1: as many named keys, the others at random depths; the question asks for the first."""
     rng = random.Random(seed if filler == "grass" else f"{filler}:{seed}")
     key = str(rng.randint(10000, 99999))
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    if keys == 1:
+        needles = [(depth, f" The pass key is {key}. Remember it. {key} is the pass key. ")]
+        question, distractors = QUESTION, ()
+    else:
+        if not 1 < keys <= len(KEY_NAMES):
+            raise ValueError(f"--keys takes 1 to {len(KEY_NAMES)}, not {keys}")
+        names = rng.sample(KEY_NAMES, keys)
+        values = [key]
+        while len(values) < keys:
+            v = str(rng.randint(10000, 99999))
+            values += [v] if v not in values else []
+        depths = [depth] + [rng.random() for _ in names[1:]]
+        needles = [(d, f" The pass key of the {n} is {v}. Remember it. {v} is the pass key of the {n}. ")
+                   for d, n, v in zip(depths, names, values)]
+        question, distractors = f"What is the pass key of the {names[0]}? The pass key of the {names[0]} is", \
+            tuple(values[1:])
     head = ("There is an important piece of information hidden inside a lot of irrelevant text. "
             "Find it and memorize it. I will quiz you about it.\n")
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
-    fixed = len(enc(head)) + len(enc(needle)) + len(enc("\n" + QUESTION))
+    needle_ids = [(d, enc(n)) for d, n in needles]
+    fixed = len(enc(head)) + sum(len(n) for _, n in needle_ids) + len(enc("\n" + question))
     filler_ids = filler_ids or enc(FILLER)
     n_filler = max(0, context_tokens - fixed)
     filler_ids = (filler_ids * (n_filler // len(filler_ids) + 1))[:n_filler]
-    cut = int(len(filler_ids) * depth)
-    ids = enc(head) + filler_ids[:cut] + enc(needle) + filler_ids[cut:] + enc("\n" + QUESTION)
-    return PasskeyCase(seed, depth, key, ids, filler)
+    ids, done = enc(head), 0
+    for d, n in sorted(needle_ids, key=lambda x: x[0]):
+        cut = int(len(filler_ids) * d)
+        ids += filler_ids[done:cut] + n
+        done = cut
+    ids += filler_ids[done:] + enc("\n" + question)
+    return PasskeyCase(seed, depth, key, ids, filler, distractors)
 
 
-def make_cases(tokenizer, context_tokens: int, depths: list[float], seeds: list[int]) -> list[PasskeyCase]:
-    return [make_case(tokenizer, context_tokens, d, s) for d in depths for s in seeds]
+def make_cases(tokenizer, context_tokens: int, depths: list[float], seeds: list[int],
+               keys: int = 1) -> list[PasskeyCase]:
+    return [make_case(tokenizer, context_tokens, d, s, keys=keys) for d in depths for s in seeds]
 
 
-def make_fresh_cases(tokenizer, context_tokens: int) -> list[PasskeyCase]:
+def make_fresh_cases(tokenizer, context_tokens: int, keys: int = 1) -> list[PasskeyCase]:
     """30 prompts: each filler text x depth x seed; the key depends on the filler and the seed."""
     from oasiskv.eval.texts import module_source
 
     cases = []
     for name in FRESH_FILLERS:
         ids = tokenizer.encode(module_source(name), add_special_tokens=False)
-        cases += [make_case(tokenizer, context_tokens, d, s, name, ids) for d in FRESH_DEPTHS for s in FRESH_SEEDS]
+        cases += [make_case(tokenizer, context_tokens, d, s, name, ids, keys)
+                  for d in FRESH_DEPTHS for s in FRESH_SEEDS]
     return cases
 
 
@@ -123,6 +152,8 @@ def add_passkey_args(p) -> None:
                    help="suite: repeated filler, --depths x --seeds, substring scoring; fresh: 30 prompts "
                         "on three standard library modules' source, exact-number scoring")
     p.add_argument("--context-len", type=int, default=4000, help="prompt tokens")
+    p.add_argument("--keys", type=int, default=1, help="named keys per prompt (multi-key needles, "
+                   "exact-number scoring when > 1)")
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9], help="suite only")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="suite only")
     p.add_argument("--drafters", nargs="+", default=["self"],
@@ -146,8 +177,8 @@ def run_passkey(args) -> int:
     base = engine_config(args)
     if base.max_model_len is None:
         base = replace(base, max_model_len=args.context_len + 64)
-    exact = args.set == "fresh"
-    results = {"set": args.set, "scoring": "exact number" if exact else "substring",
+    exact = args.set == "fresh" or args.keys > 1
+    results = {"set": args.set, "keys": args.keys, "scoring": "exact number" if exact else "substring",
                "context_len": args.context_len,
                "sparse": {"top_k_blocks": base.top_k_blocks, "sink_blocks": base.sink_blocks,
                           "window_blocks": base.window_blocks, "fetch_ratio": base.fetch_ratio,
@@ -159,8 +190,8 @@ def run_passkey(args) -> int:
         cfg = run_config(base, spec)
         llm = LLM.from_config(cfg)
         if cases is None:
-            cases = (make_fresh_cases(llm.tokenizer, args.context_len) if exact
-                     else make_cases(llm.tokenizer, args.context_len, args.depths, args.seeds))
+            cases = (make_fresh_cases(llm.tokenizer, args.context_len, args.keys) if args.set == "fresh"
+                     else make_cases(llm.tokenizer, args.context_len, args.depths, args.seeds, args.keys))
             if args.cases:
                 cases = [c for c in cases if case_name(c) in set(args.cases)]
                 if not cases:
@@ -172,6 +203,7 @@ def run_passkey(args) -> int:
         config = {k: v for k, v in asdict(cfg).items() if k in results["sparse"] or k in ("drafter", "sparse")}
         results["runs"][spec] = {"config": config, "correct": sum(right), "total": len(right), "per_case": [
             {"filler": c.filler, "depth": c.depth, "seed": c.seed, "key": c.key, "answer": a, "ok": ok}
+            | ({"distractors": list(c.distractors)} if c.distractors else {})
             for c, a, ok in zip(cases, answers, right)]}
         print(f"{spec:>8}: {sum(right)}/{len(right)}", flush=True)
         del llm
@@ -184,7 +216,7 @@ def run_passkey(args) -> int:
 
 def print_passkey_table(results: dict) -> None:
     runs = results["runs"]
-    print(f"\npasskey retrieval ({results['set']} set, {results['scoring']} scoring), "
+    print(f"\npasskey retrieval ({results['set']} set, {results.get('keys', 1)} key(s), {results['scoring']} scoring), "
           f"{results['context_len']} tokens; sparse: {results['sparse']}")
     print("| depth | " + " | ".join(runs) + " |")
     print("|---" * (len(runs) + 1) + "|")
@@ -198,5 +230,6 @@ def print_passkey_table(results: dict) -> None:
     print("\n| run | right | wrong cases (filler, depth, seed: key -> answer) |\n|---|---|---|")
     for spec, r in runs.items():
         wrong = [f"{c['filler']} {c['depth']} {c['seed']}: {c['key']} -> {c['answer'].strip()!r}"
+                 + (" (a distractor)" if answer_number(c["answer"]) in c.get("distractors", ()) else "")
                  for c in r["per_case"] if not c["ok"]]
         print(f"| {spec} | {r['correct']}/{r['total']} | {'; '.join(wrong) or '-'} |")

@@ -1,0 +1,74 @@
+"""Checkable multi-step problems with short prompts and long worked answers: each asks the model
+to write every step and end with `Answer: N`, so a free run goes on for hundreds to a couple of
+thousand tokens after a prompt of about a hundred. The right answers are computed here, by
+running the arithmetic or the program itself."""
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+
+INSTRUCTION = "Work it out step by step, writing every step. End with a line `Answer: N`, N the number."
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str
+    question: str
+    answer: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.question}\n{INSTRUCTION}"
+
+
+def collatz_steps(n: int) -> int:
+    steps = 0
+    while n != 1:
+        n = n // 2 if n % 2 == 0 else 3 * n + 1
+        steps += 1
+    return steps
+
+
+def collatz(n: int) -> Problem:
+    return Problem(f"collatz-{n}", f"Start with n = {n}. Repeat: if n is even, n becomes n / 2; if n is odd, n "
+                   f"becomes 3n + 1. Stop when n is 1. How many steps does it take to reach 1?", collatz_steps(n))
+
+
+def recurrence(a0: int, mul: int, add: int, mod: int, times: int) -> Problem:
+    a = a0
+    for _ in range(times):
+        a = (a * mul + add) % mod
+    return Problem(f"recurrence-{a0}-{mul}-{add}-{mod}-{times}",
+                   f"Let a = {a0}. Repeat {times} times: a becomes (a * {mul} + {add}) mod {mod}. "
+                   f"What is a at the end?", a)
+
+
+def program_output(name: str, source: str) -> Problem:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(source, {})  # our own programs, below: the right answer is what Python prints
+    return Problem(name, f"What does this Python program print?\n```python\n{source}```", int(out.getvalue()))
+
+
+PROGRAMS = {
+    "loop-mod": "x = 7\nfor i in range(1, 21):\n    if x % 2 == 0:\n        x = x // 2 + i\n    else:\n"
+                "        x = (3 * x + i) % 50\nprint(x)\n",
+    "digit-sums": "total = 0\nfor n in range(10, 40):\n    total += sum(int(d) for d in str(n))\nprint(total)\n",
+    "while-halving": "n, count = 1000, 0\nwhile n > 1:\n    n = n // 3 if n % 3 == 0 else n - 1\n"
+                     "    count += 1\nprint(count)\n",
+    "list-ops": "xs = [5, 3, 8, 1, 9, 2]\nfor i in range(len(xs)):\n    xs[i] = xs[i] * (i + 1) - xs[i - 1]\n"
+                "print(sum(xs))\n",
+    "nested-loops": "s = 0\nfor i in range(1, 6):\n    for j in range(i, 6):\n        s += i * j % 7\nprint(s)\n",
+    "gcd-chain": "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n\ntotal = 0\n"
+                 "for k in range(2, 14):\n    total += gcd(84, k * 6)\nprint(total)\n",
+    "fib-mod": "a, b = 1, 1\nfor _ in range(25):\n    a, b = b, (a + b) % 100\nprint(b)\n",
+}
+
+_KINDS = (
+    [collatz(n) for n in (6, 7, 9, 15, 25, 27, 31)],
+    [recurrence(3, 5, 2, 17, 12), recurrence(4, 3, 7, 23, 15), recurrence(10, 7, 1, 31, 20),
+     recurrence(2, 2, 3, 19, 25), recurrence(5, 4, 9, 29, 18), recurrence(1, 6, 5, 37, 30)],
+    [program_output(name, source) for name, source in PROGRAMS.items()])
+# The kinds interleaved, so that the first N (--problems N) mix them.
+PROBLEMS: list[Problem] = [p for i in range(max(map(len, _KINDS))) for kind in _KINDS for p in kind[i:i + 1]]
