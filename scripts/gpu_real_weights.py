@@ -36,10 +36,11 @@ def run(llm_kwargs: dict, prompts: list[list[int]], max_tokens: int) -> list[dic
 
 
 def record(a) -> None:
-    from oasiskv.entrypoints.llm import LLM
     from oasiskv.eval.texts import text_tokens
+    from oasiskv.models.loader import resolve_model
+    from oasiskv.models.tokenizer import load_tokenizer
 
-    tok = LLM(max_model_len=256).tokenizer
+    tok = load_tokenizer(resolve_model(None))
     prompts = [text_tokens(tok, name, n) for name, n in TEXTS]
     rows = run({"sparse_pipeline": "off", "dtype": "float32"}, prompts, a.max_tokens)
     json.dump({"texts": TEXTS, "sparse": SPARSE, "max_tokens": a.max_tokens, "prompts": prompts,

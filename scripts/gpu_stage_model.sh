@@ -3,10 +3,10 @@
 # ignored files only while it stays warm (~30 s between runs): two halves over two back-to-back
 # runs, joined and checked there, then the real-weights check (scripts/gpu_real_weights.py).
 #
-#   bash scripts/gpu_stage_model.sh split     # here: .gpu_stage/part1, part2, sha256 and the
+#   bash scripts/gpu_stage_model.sh split     # here: .gpu_stage/part1, part2, its sha256 and the
 #                                             # CPU in-line path's tokens (a few minutes)
 #   run(carry=[".gpu_stage/part1"], command="bash scripts/gpu_stage_model.sh receive")
-#   run(carry=[".gpu_stage/part2", ".gpu_stage/expected.json", ".gpu_site"],
+#   run(carry=[".gpu_stage/part2", ".gpu_stage/part2.sha256", ".gpu_stage/expected.json", ".gpu_site"],
 #       command="bash scripts/gpu_stage_model.sh check")   # at once; `receive` again if part1 was gone
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +20,7 @@ split)
   half=$(( (size + 1) / 2 ))
   head -c "$half" "$gguf" > "$STAGE/part1"
   tail -c +$(( half + 1 )) "$gguf" > "$STAGE/part2"
-  sha256sum "$gguf" | cut -d' ' -f1 > "$STAGE/sha256"
-  cp "$STAGE/sha256" "$STAGE/part2.sha256"
+  sha256sum "$gguf" | cut -d' ' -f1 > "$STAGE/part2.sha256"  # travels with part2
   "$PY" scripts/gpu_real_weights.py record --output "$STAGE/expected.json"
   ls -l "$STAGE"
   ;;

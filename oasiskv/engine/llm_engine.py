@@ -238,8 +238,7 @@ class LLMEngine:
     def _next_step_of(self, seqs: list[Sequence]) -> list[Sequence]:
         """The requests of a step in flight that certainly take another step: none when a prompt
         waits for its admission or its next chunk (the scheduler must run) or pages run short (it
-        may preempt); those
-        whose token now reaches max_tokens or the model length leave."""
+        may preempt); those whose token now reaches max_tokens or the model length leave."""
         if self.scheduler.has_prefill_ready() or not self._overlappable(seqs, ahead=1):
             return []
         nxt = [s for s in seqs if s.status == SequenceStatus.RUNNING and s.error is None
