@@ -14,7 +14,8 @@
 # CASES: mode:transport[:gbps] each (mode rpf|full, transport ucx|tcp|socket, gbps the link the
 # decode side's read budget stands for). One call must end within 10 minutes; at the full sizes
 # give it one case, or lower PROMPTS / OUT_LEN to fit several.
-# Sizes: MODEL (qwen3-8b), PROMPTS (16), IN (32768), OUT_LEN (1024), TOPK (128), BENCH_S (per case).
+# Sizes: MODEL (qwen3-8b), PROMPTS (16), IN (32768), OUT_LEN (1024), TOPK (128), BENCH_S (per case);
+# EXTRA: more flags for both servers (e.g. --max-num-seqs 16: fewer captured steps).
 # Memory: at 32K tokens one qwen3-8b request's KV is 4.6 GiB. The prefill's host pool holds every
 # RPF request's KV until its decode ends (PREFILL_HOST_GB, default PROMPTS x 4.7 + 2 for rpf, 24 for
 # full); the decode side's arena (DECODE_REMOTE_GB) is only touched as blocks arrive. 16 prompts in
@@ -37,7 +38,7 @@ TOPK=${TOPK:-128}
 BENCH_S=${BENCH_S:-420}
 P_PORT=8100; D_PORT=8200; X_PORT=8000
 ENGINE=(--model "$MODEL" --load-format dummy --top-k-blocks "$TOPK" --max-model-len $((IN + OUT_LEN + 64))
-        --disable-log-stats)
+        --disable-log-stats ${EXTRA:-})
 P_FLAGS=(--kv-cache-gb "${PREFILL_KV_GB:-40}")
 D_FLAGS=(--kv-cache-gb "${DECODE_KV_GB:-20}" --host-kv-gb 1)
 if [ "${1:-}" = smoke ]; then  # CPU, the default model, tiny sizes: checks the script, not speed
