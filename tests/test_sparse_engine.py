@@ -81,6 +81,7 @@ def test_small_budget_caps_traffic(prompt):
     ({"fetch_ratio": 1.5}, "fetch-ratio"),
     ({"drafter": "eagle9"}, "drafter"),
     ({"window_blocks": 0}, "window-blocks"),
+    ({"window_blocks": 1}, "window-blocks must be >= 2"),
     ({"host_kv_gb": -1}, "host-kv-gb"),
     ({"sparse_threshold": 32}, "sparse-threshold"),
 ])

@@ -43,8 +43,11 @@ class SparseConfig:
             raise ValueError(f"--top-k-blocks must be >= 1, got {self.top_k_blocks}")
         if self.sink_blocks < 0:
             raise ValueError(f"--sink-blocks must be >= 0, got {self.sink_blocks}")
-        if self.window_blocks < 1:
-            raise ValueError(f"--window-blocks must be >= 1 (the block being filled), got {self.window_blocks}")
+        if self.window_blocks < 2:
+            # A block that fills must stay resident for the step whose lookahead already fetched
+            # the next step's blocks: with one window block it would leave before its host copy exists.
+            raise ValueError(f"--window-blocks must be >= 2 (the block being filled and the one "
+                             f"before it), got {self.window_blocks}")
         if not 0 < self.fetch_ratio <= 1:
             raise ValueError(f"--fetch-ratio must be in (0, 1], got {self.fetch_ratio}")
         if self.drafter not in DRAFTERS:
