@@ -12,6 +12,7 @@ while idle); the HTTP side only fetches admissions and marks leases (`LeaseTable
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 
@@ -24,6 +25,8 @@ from oasiskv.disagg.prefill_side import hand_over
 from oasiskv.disagg.transport import Transport
 from oasiskv.engine.llm_engine import LLMEngine, RequestOutput
 from oasiskv.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class PrefillEngine(LLMEngine):
@@ -117,7 +120,13 @@ class PrefillEngine(LLMEngine):
             del self._handing[rid]
             if self.runner.device.type == "cuda":  # the conversion's host copies are asynchronous
                 torch.cuda.synchronize()
-            adm = hand_over(self.sparse, seq, self.leases, "", mode, self.peer_metadata)
+            try:
+                adm = hand_over(self.sparse, seq, self.leases, "", mode, self.peer_metadata)
+            except Exception as e:  # noqa: BLE001 - fails this request only; its extent is still the engine's
+                log.exception("hand-over of %s failed", rid)
+                seq.error = f"the hand-over failed: {type(e).__name__}: {e}"
+                done[rid] = self._fail(seq, now)
+                continue
             adm.first_logprobs = seq.logprobs[0] if seq.logprobs else None
             data = adm.to_bytes()
             with self._lock:

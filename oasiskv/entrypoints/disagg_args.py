@@ -37,16 +37,14 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
 
 
 def role_config(config: EngineConfig, role: str) -> EngineConfig:
-    """A role server decodes sparse; a decode server on the in-line path (the one that reads
-    remote blocks), one step at a time."""
+    """A role server decodes sparse on the in-line path, one step at a time: a decode server's
+    path is the one that reads remote blocks, and a prefill server hands its requests over from
+    the in-line working set right after their conversion (they never decode there)."""
     if role == "both":
         return config
     if config.tensor_parallel_size != 1:
         raise ValueError("--role prefill|decode runs with --tensor-parallel-size 1")
-    config = dataclasses.replace(config, sparse=True)
-    if role == "decode":
-        config = dataclasses.replace(config, sparse_pipeline="off", async_scheduling="off")
-    return config
+    return dataclasses.replace(config, sparse=True, sparse_pipeline="off", async_scheduling="off")
 
 
 def make_transport(kind: str, host: str):

@@ -1,0 +1,50 @@
+"""The prefill role's engine: a hand-over that fails ends only its own request, and the role
+servers run the in-line sparse path (whose working set the hand-over reads)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import oasiskv.disagg.prefill_engine as prefill_engine
+from oasiskv import SamplingParams
+from oasiskv.config import EngineConfig
+from oasiskv.disagg.socket_transport import SocketTransport
+from oasiskv.entrypoints.disagg_args import role_config
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_role_servers_run_the_in_line_path(role):
+    cfg = role_config(EngineConfig(sparse_pipeline="on", async_scheduling="on"), role)
+    assert (cfg.sparse, cfg.sparse_pipeline, cfg.async_scheduling) == (True, "off", "off")
+
+
+def test_a_failed_hand_over_fails_only_its_request(monkeypatch):
+    engine = prefill_engine.PrefillEngine(
+        EngineConfig(max_model_len=1200, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.2),
+        SocketTransport())
+    try:
+        ids = engine.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:1000]
+        params = SamplingParams(temperature=0, max_tokens=1)
+        real = prefill_engine.hand_over
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("no admission")
+
+        def run(rid):
+            engine.expect_hand_over(rid)
+            engine.add_request(ids, params, rid)
+            while True:
+                for out in engine.step():
+                    if out.request_id == rid and out.finished:
+                        return out
+
+        monkeypatch.setattr(prefill_engine, "hand_over", broken)
+        failed = run("a")
+        assert failed.finish_reason == "error" and "hand-over failed" in failed.error
+        assert engine.sparse.host.bytes_used == 0 and engine.take_admission("a", "decode-0") is None
+        monkeypatch.setattr(prefill_engine, "hand_over", real)
+        served = run("b")
+        assert served.finish_reason == "length" and engine.take_admission("b", "decode-0") is not None
+    finally:
+        engine.close()
