@@ -13,7 +13,8 @@
 #
 # Sizes without editing: MODEL, LOAD_FORMAT, N, DOC, Q, O, CONV, TURNS, FIRST, MAX_LEN, HOST_KV_GB, SPARSE_KV_GB,
 # LOADS (default "shared-doc multi-turn"), CASES (default "dense sparse"), CASE_S (seconds per
-# case), EXTRA (more engine flags). A check on
+# case), CONTROL_CHUNK (a last cache-off run with prefill chunks of this many tokens: do tokens
+# move with the chunking alone?), EXTRA (more engine flags). A check on
 # CPU with the default model:
 #   MODEL= LOAD_FORMAT=auto N=3 DOC=80 Q=8 O=4 CONV=2 TURNS=3 FIRST=80 MAX_LEN=256 HOST_KV_GB=0.05 \
 #     SPARSE_KV_GB=0.009 EXTRA="--sparse-threshold 80 --top-k-blocks 2 --window-blocks 2" \
@@ -42,7 +43,7 @@ run_case() {  # NAME ENGINE-FLAGS...
     --max-model-len "${MAX_LEN:-20480}" --max-num-seqs 32 \
     --num-requests "${N:-32}" --doc-len "${DOC:-16384}" --question-len "${Q:-256}" --output-len "${O:-256}" \
     --conversations "${CONV:-16}" --turns "${TURNS:-4}" --first-turn-len "${FIRST:-13312}" \
-    --loads ${LOADS:-shared-doc multi-turn} ${EXTRA:-} "$@" --output-json "$OUT/prefix_$name.json" > "$OUT/prefix_$name.log" 2>&1
+    --loads ${LOADS:-shared-doc multi-turn} ${CONTROL_CHUNK:+--control-chunk "$CONTROL_CHUNK"} ${EXTRA:-} "$@" --output-json "$OUT/prefix_$name.json" > "$OUT/prefix_$name.log" 2>&1
   echo "exit $? after $((SECONDS - t0)) s"
   grep -E "=====|Mean TTFT|Output token|hit rate|Prefill tokens|TTFT, cache|throughput, on|cache-off tokens|Preemptions" \
     "$OUT/prefix_$name.log"

@@ -71,3 +71,25 @@ def test_compare_reports_against_the_cache_off_run():
     assert on["tokens_equal_fraction"] == 0.5 and on["ttft_speedup"] == 5.0
     assert on["output_throughput_ratio"] == 1.2 and on["prefill_reduction"] == 0.75
     assert "ttft_speedup" not in off
+
+
+def test_control_run_changes_only_the_chunking(tmp_path):
+    """The default model, dense: the control run (cache off, 16-token chunks) keeps the first
+    cache-off run's greedy tokens, and the scheduler's chunk size is restored after it."""
+    import argparse
+    import json
+
+    from oasiskv.bench.prefix import add_prefix_args, run_prefix_bench
+    from oasiskv.entrypoints.args import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_prefix_args(p)
+    add_engine_args(p)
+    out = tmp_path / "prefix.json"
+    a = p.parse_args(["--loads", "multi-turn", "--conversations", "2", "--turns", "2", "--first-turn-len", "40",
+                      "--question-len", "8", "--output-len", "4", "--max-model-len", "256",
+                      "--control-chunk", "16", "--output-json", str(out)])
+    assert run_prefix_bench(a) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["cache"] for r in runs] == ["off", "on", "off, chunks of 16"]
+    assert runs[2]["tokens_equal_fraction"] == 1.0 and runs[2]["prefill_tokens_computed"] == runs[0]["prefill_tokens_computed"]

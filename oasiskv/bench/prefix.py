@@ -39,6 +39,9 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-turn-len", type=int, default=13312,
                    help="multi-turn: the first turn's document tokens (the question comes on top)")
     p.add_argument("--cache", nargs="+", choices=["off", "on"], default=["off", "on"], help="runs, in order")
+    p.add_argument("--control-chunk", type=int, default=None, metavar="TOKENS",
+                   help="after the runs, the cache off again with prefill chunks of TOKENS: how many "
+                        "requests keep the first cache-off run's tokens when only the chunking changes")
     p.add_argument("--output-json", default=None, help="write every run's figures here")
 
 
@@ -97,9 +100,12 @@ def warm_up(engine) -> None:
         engine.step()
 
 
-def run_once(engine, load: Load, params, cache: str) -> dict:
+def run_once(engine, load: Load, params, cache: str, chunk: int | None = None) -> dict:
+    """One run of `load`; with `chunk`, prefill chunks of that many tokens (the cache off)."""
     bm = engine.block_manager
     bm.enable_caching = cache == "on"
+    default_chunk = engine.scheduler.max_num_batched_tokens
+    engine.scheduler.max_num_batched_tokens = chunk or default_chunk
     bm.reset_prefix_cache()
     st = engine.step_stats
     host = bm.host_tier or _NoHostTier
@@ -107,14 +113,18 @@ def run_once(engine, load: Load, params, cache: str) -> dict:
                   conversions=engine.runner.sparse.num_conversions if engine.runner.sparse else 0,
                   host_queries=host.queries, host_hits=host.hits)
     start = time.perf_counter()
-    records = load.run(engine, params)
+    try:
+        records = load.run(engine, params)
+    finally:
+        engine.scheduler.max_num_batched_tokens = default_chunk
     duration = time.perf_counter() - start
     queries, hits = bm.queries - before["queries"], bm.hits - before["hits"]
     host_queries, host_hits = host.queries - before["host_queries"], host.hits - before["host_hits"]
     ttft = [r["ttft"] for r in records if r["ttft"] is not None]
     n_out = sum(len(r["token_ids"]) for r in records)
     return {
-        "load": load.name, "cache": cache, "requests": len(records), "duration_s": duration,
+        "load": load.name, "cache": cache if chunk is None else f"off, chunks of {chunk}",
+        "requests": len(records), "duration_s": duration,
         "mean_ttft_ms": 1e3 * float(np.mean(ttft)), "median_ttft_ms": 1e3 * float(np.median(ttft)),
         "p99_ttft_ms": 1e3 * float(np.percentile(ttft, 99)),
         "output_throughput": n_out / duration, "total_output_tokens": n_out,
@@ -133,7 +143,10 @@ def run_once(engine, load: Load, params, cache: str) -> dict:
 def compare(runs: list[dict]) -> None:
     """Each run's tokens against the cache-off run of the same load: the fraction of requests
     with equal outputs, and the TTFT and prefill ratios."""
-    base = {r["load"]: r for r in runs if r["cache"] == "off"}
+    base = {}
+    for r in runs:
+        if r["cache"] == "off":
+            base.setdefault(r["load"], r)
     for r in runs:
         ref = base.get(r["load"])
         if ref is None or ref is r:
@@ -181,8 +194,11 @@ def run_prefix_bench(args) -> int:
               "load_seconds": load_s, "args": {k: v for k, v in vars(args).items() if k != "func"}, "runs": runs}
     for name in args.loads:
         load = Load(name, args, vocab)
-        for cache in args.cache:
-            runs.append(run_once(engine, load, params, cache))
+        plan = [(cache, None) for cache in args.cache]
+        if args.control_chunk:
+            plan.append(("off", args.control_chunk))
+        for cache, chunk in plan:
+            runs.append(run_once(engine, load, params, cache, chunk))
             compare(runs)
             print_run(runs[-1])
             if args.output_json:  # after every run, so a cut-short call keeps what finished
