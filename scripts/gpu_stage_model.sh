@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The default model's GGUF (98 MB) on the GPU machine, which takes at most 64 MiB a run and keeps
 # ignored files only while it stays warm (~30 s between runs): two halves over two back-to-back
-# runs, joined and checked there, then the real-weights check (scripts/gpu_real_weights.py).
+# runs, joined and checked there, then the real-weights check (scripts/gpu_real_weights.py) and a
+# small `bench serve --dataset-name text` against a dense and a sparse server on those weights.
 #
 #   bash scripts/gpu_stage_model.sh split     # here: .gpu_stage/part1, part2, its sha256 and the
 #                                             # CPU in-line path's tokens (a few minutes)
@@ -38,6 +39,16 @@ check)
   OASISKV_CACHE_DIR=$PWD/$STAGE/cache PYTHONPATH=.:.gpu_site python3 scripts/gpu_real_weights.py check \
     --gguf "$STAGE/model.gguf" --expected "$STAGE/expected.json" --output "$OUT/real_weights.json" \
     2>&1 | tee "$OUT/real_weights.log"
+  # A small `bench serve` on real text, dense then sparse, each server started by the bench.
+  for mode in dense sparse; do
+    flags="--model $STAGE/model.gguf --max-model-len 8192 --log-level warning"
+    [ "$mode" = sparse ] && flags="$flags --sparse --sparse-threshold 1024 --top-k-blocks 32 --host-kv-gb 16"
+    OASISKV_CACHE_DIR=$PWD/$STAGE/cache PYTHONPATH=.:.gpu_site timeout 240 python3 -m oasiskv.entrypoints.cli \
+      bench serve --server-args "$flags" --port 8000 --dataset-name text --num-prompts "${PROMPTS:-32}" \
+      --random-input-len "${IN:-3500}" --random-output-len "${OUT_LEN:-256}" --ignore-eos \
+      --result-dir "$OUT" --result-filename "serve_real_text_$mode.json" 2>&1 | tee "$OUT/serve_real_text_$mode.log" \
+      | grep -E "Successful|Output token|Mean TTFT|Median TPOT|hit rate|Draft acceptance|Sparse requests"
+  done
   ;;
 *)
   echo "usage: bash scripts/gpu_stage_model.sh split|receive|check" >&2

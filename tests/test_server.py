@@ -440,6 +440,21 @@ def test_operator_metrics(base):
     assert samples and all('model_name="SmolLM2-135M-Instruct"' in line for line in samples)
 
 
+def test_bench_serve_on_real_text(base, tmp_path):
+    """`bench serve --dataset-name text`: windows of real text tokenized by the server, long
+    enough to go sparse here, with the lookahead's hit rate and draft acceptance reported."""
+    from oasiskv.entrypoints.cli import main
+
+    port = int(base.rsplit(":", 1)[1])
+    rc = main(["bench", "serve", "--port", str(port), "--dataset-name", "text", "--num-prompts", "3",
+               "--random-input-len", "200", "--random-output-len", "12", "--ignore-eos",
+               "--result-dir", str(tmp_path), "--result-filename", "bench.json"])
+    assert rc == 0
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["completed"] == 3 and res["input_lens"] == [200] * 3 and res["dataset_name"] == "text"
+    assert res["sparse_requests"] == 3 and 0 <= res["sparse_draft_acceptance"] <= 1
+
+
 # ---- logprobs and echo against HF transformers (need the engine's logprobs fields) --------------------
 needs_logprobs = pytest.mark.skipif(not hasattr(RequestOutput, "logprobs"),
                                     reason="the engine does not return logprobs yet")

@@ -2,7 +2,9 @@
 the lines vLLM prints (so numbers compare directly), plus what moved for sparse requests.
 
 Prompts are random token ids sent as the completion `prompt` (a list of ints), so a model with
-dummy weights and no tokenizer works. Every request streams; one SSE chunk carries one token,
+dummy weights and no tokenizer works; or, with `--dataset-name text`, windows of real text
+(Python's standard library sources and a license, tokenized by the server's /tokenize), so a
+real model decodes what it would in use and its lookahead has something to predict. Every request streams; one SSE chunk carries one token,
 so chunk arrival times give TTFT and the inter-token latencies (ITL), and the final usage chunk
 gives the token count. TPOT excludes the first token: (E2EL - TTFT) / (tokens - 1).
 """
@@ -31,6 +33,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name to send; default: the server's (/v1/models)")
     p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--dataset-name", choices=["random", "text"], default="random",
+                   help="random: random token ids; text: windows of real text as long as the random "
+                        "dataset's prompts, at random offsets (tokenized by the server's /tokenize)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
@@ -114,6 +119,33 @@ def random_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
     return [(rng.integers(0, vocab_size, size=int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
 
 
+TEXT_MODULES = ("typing", "argparse", "shutil", "calendar", "inspect", "subprocess")
+
+
+def text_requests(args, base_url: str, model: str) -> list[tuple[list[int], int]]:
+    """`--num-prompts` windows of real text: the modules' sources and a license, tokenized by the
+    server, one stream of tokens; each window starts at a random offset of it."""
+    from oasiskv.eval.texts import module_source, text_path
+
+    with open(text_path("prose"), encoding="utf-8", errors="replace") as f:
+        texts = [module_source(m) for m in TEXT_MODULES] + [f.read()]
+    stream: list[int] = []
+    for text in texts:
+        body = json.dumps({"model": model, "prompt": text, "add_special_tokens": False}).encode()
+        req = urllib.request.Request(base_url + "/tokenize", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            stream += json.loads(r.read())["tokens"]
+    rng = np.random.default_rng(args.seed)
+    requests = []
+    for ids, out_len in random_requests(args, 2):  # the random dataset's input and output lengths
+        n = len(ids)
+        if n > len(stream):
+            raise ValueError(f"--random-input-len {n} is longer than the text ({len(stream)} tokens)")
+        start = int(rng.integers(0, len(stream) - n + 1))
+        requests.append((stream[start:start + n], out_len))
+    return requests
+
+
 async def run_load(args, base_url: str, model: str, requests: list[tuple[list[int], int]]):
     import aiohttp
 
@@ -187,6 +219,8 @@ def summarize(args, results: list[RequestResult], duration: float, before: dict,
     out["sparse_lookahead_hit_rate"] = (delta("oasiskv:sparse_lookahead_hit_blocks_total") / predicted
                                         if predicted else None)
     out["sparse_pipeline_stall_s"] = delta("oasiskv:sparse_pipeline_stall_seconds_total")
+    drafts = delta("oasiskv:sparse_draft_tokens_total")
+    out["sparse_draft_acceptance"] = delta("oasiskv:sparse_draft_accepted_tokens_total") / drafts if drafts else None
     # Every sparse step's figures (overlapped steps too), from the server's per-step counters.
     step = {k: delta(f"oasiskv:sparse_step_{k}_total") for k in
             ("stall_seconds", "foreground_seconds", "host_to_gpu_bytes", "budget_bytes", "hit_blocks",
@@ -244,6 +278,8 @@ def print_result(res: dict) -> None:
         line("Host->GPU bytes per sparse request (MiB):",
              res["sparse_host_to_gpu_bytes"] / res["sparse_requests"] / 2**20, ".2f")
         line("Lookahead hit rate (%):", 100 * (res["sparse_lookahead_hit_rate"] or 0.0), ".1f")
+        if res.get("sparse_draft_acceptance") is not None:
+            line("Draft acceptance (%):", 100 * res["sparse_draft_acceptance"], ".1f")
         line("Pipeline stall (s):", res["sparse_pipeline_stall_s"], ".3f")
     if res.get("sparse_decode_steps"):
         print("{:-^50}".format("Sparse steps (every step)"))
@@ -276,7 +312,10 @@ def run_bench_serve(args) -> int:
         with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as r:
             card = json.loads(r.read())["data"][0]
         model = args.model or card["id"]
-        requests = random_requests(args, card.get("vocab_size", 1000))
+        if args.dataset_name == "text":
+            requests = text_requests(args, base_url, model)
+        else:
+            requests = random_requests(args, card.get("vocab_size", 1000))
         asyncio.run(check_server(args, base_url, model, requests[0][0]))
         before = scrape_metrics(base_url)  # after the test request, so it counts only the load
         results, duration = asyncio.run(run_load(args, base_url, model, requests))
@@ -285,7 +324,8 @@ def run_bench_serve(args) -> int:
         if server is not None:
             stop_server(server)
     result = summarize(args, results, duration, before, after)
-    result.update(model=model, endpoint=args.endpoint, random_input_len=args.random_input_len,
+    result.update(model=model, endpoint=args.endpoint, dataset_name=args.dataset_name,
+                  random_input_len=args.random_input_len,
                   random_output_len=args.random_output_len, ignore_eos=args.ignore_eos)
     print_result(result)
     if result["failed"]:

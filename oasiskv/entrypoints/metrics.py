@@ -85,6 +85,10 @@ class ServerMetrics:
                                "the step needed them.")
         self.sparse_hit_rate = add(Gauge, "sparse_lookahead_hit_rate", "Lookahead hit rate over all finished "
                                    "sparse requests (hits / predicted).")
+        self.sparse_drafts = add(Counter, "sparse_draft_tokens", "Lookahead draft tokens proposed for the "
+                                 "steps of finished sparse requests.")
+        self.sparse_drafts_accepted = add(Counter, "sparse_draft_accepted_tokens", "... of them equal to the "
+                                          "token the step then produced.")
         self.sparse_stall = add(Counter, "sparse_pipeline_stall_seconds", "Time the decode steps of finished "
                                 "sparse requests waited at the end of the step for the prefetch pipeline's "
                                 "streams, summed per request (CUDA pipeline only; the in-line path on CPU runs "
@@ -222,6 +226,8 @@ class ServerMetrics:
             self._hits += st.get("hits", 0)
             self.sparse_hit_rate.set(self._hits / self._predicted if self._predicted else 0.0)
             self.sparse_stall.inc(st.get("pipeline_stall_s", 0.0))
+            self.sparse_drafts.inc(st.get("drafts", 0))
+            self.sparse_drafts_accepted.inc(st.get("drafts_accepted", 0))
             if "disagg_host_bytes" in st:
                 self.disagg_request_host_bytes.observe(st["disagg_host_bytes"])
 

@@ -52,6 +52,7 @@ class SparseStats:
             "bytes_to_device": self.bytes_to_device,
             "blocks_fetched_per_step": self.admitted / self.steps if self.steps else 0.0,
             "bytes_fetched_per_step": self.bytes_to_device / self.steps if self.steps else 0.0,
+            "drafts": self.drafts, "drafts_accepted": self.drafts_accepted,
             "draft_acceptance": self.drafts_accepted / self.drafts if self.drafts else None,
             "pipeline_stall_s": self.stall_s,
         }
