@@ -4,9 +4,9 @@ the lines vLLM prints (so numbers compare directly), plus what moved for sparse 
 Prompts are random token ids sent as the completion `prompt` (a list of ints), so a model with
 dummy weights and no tokenizer works; or, with `--dataset-name text`, windows of real text
 (Python's standard library sources and a license, tokenized by the server's /tokenize), so a
-real model decodes what it would in use and its lookahead has something to predict. Every request streams; one SSE chunk carries one token,
-so chunk arrival times give TTFT and the inter-token latencies (ITL), and the final usage chunk
-gives the token count. TPOT excludes the first token: (E2EL - TTFT) / (tokens - 1).
+real model decodes what it would in use and its lookahead has something to predict. Every
+request streams; one SSE chunk carries one token, so chunk arrival times give TTFT and the
+inter-token latencies (ITL), and the final usage chunk gives the token count. TPOT excludes the first token: (E2EL - TTFT) / (tokens - 1).
 """
 from __future__ import annotations
 
