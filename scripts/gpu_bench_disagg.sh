@@ -102,7 +102,9 @@ run_case() {  # mode:transport[:gbps]
     --port $X_PORT --log-level warning > "$OUT/proxy_${name}.log" 2>&1 &
   local xpid=$!
   if ! health $ppid $P_PORT || ! health $dpid $D_PORT || ! health $xpid $X_PORT; then
-    echo "a server failed to start"; for f in "$OUT"/server_"${name}"_*.log; do tail -n 20 "$f"; done; stop $xpid $dpid $ppid; return 1
+    echo "a server failed to start"
+    for f in "$OUT"/server_"${name}"_*.log; do tail -n 20 "$f"; done
+    stop $xpid $dpid $ppid; return 1
   fi
   echo "ready after $((SECONDS - t0)) s"
   timeout "$BENCH_S" $PY -c "$BENCH_PY" --port $X_PORT --num-prompts "$PROMPTS" --random-input-len "$IN" \

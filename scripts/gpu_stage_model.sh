@@ -47,7 +47,8 @@ check)
       bench serve --server-args "$flags" --port 8000 --dataset-name text --num-prompts "${PROMPTS:-32}" \
       --random-input-len "${IN:-3500}" --random-output-len "${OUT_LEN:-256}" --ignore-eos \
       --result-dir "$OUT" --result-filename "serve_real_text_$mode.json" 2>&1 | tee "$OUT/serve_real_text_$mode.log" \
-      | grep -E "Successful|Output token|Mean TTFT|Median TPOT|hit rate|Draft acceptance|Sparse requests"
+      | grep -E "Successful|Output token|Mean TTFT|Median TPOT|hit rate|Draft acceptance|Sparse requests" \
+      || echo "bench serve ($mode) printed no result: see serve_real_text_$mode.log"  # the next mode still runs
   done
   ;;
 *)
