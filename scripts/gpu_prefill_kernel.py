@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from oasiskv.kernels.paged_prefill import paged_prefill_triton
+from oasiskv.kernels import cudnn_prefill
+from oasiskv.kernels.paged_prefill import paged_prefill, paged_prefill_triton
 from oasiskv.kernels.reference import paged_prefill_ref, random_paged_prefill
 
 DEV = "cuda"
@@ -49,9 +51,16 @@ def check(name, spans, Hkv, G, D, dtype):
     ok = err < TOL[dtype]
     row = {"case": name, "spans": spans, "heads": f"{G * Hkv}/{Hkv}", "head_dim": D,
            "dtype": str(dtype).removeprefix("torch."), "max_abs_err": err, "pass": ok}
+    if cudnn_prefill.cudnn_usable(q):  # every chunk through cuDNN's path too
+        os.environ["OASISKV_PREFILL_BACKEND"] = "cudnn"
+        out = torch.full_like(q, float("nan"))
+        out[:] = paged_prefill(q, pool, table, Hkv, D ** -0.5)
+        os.environ.pop("OASISKV_PREFILL_BACKEND")
+        row["cudnn_max_abs_err"] = (out.float() - ref.float()).abs().max().item()
+        ok = row["pass"] = ok and row["cudnn_max_abs_err"] < TOL[dtype]
     results["checks"].append(row)
     print(f"{'PASS' if ok else 'FAIL'} {name:34s} {row['heads']:>6s} D={D:<4d} {row['dtype']:9s} "
-          f"max abs err {err:.2e}")
+          f"max abs err {err:.2e}" + (f", cuDNN path {row['cudnn_max_abs_err']:.2e}" if "cudnn_max_abs_err" in row else ""))
     del q, pool, table, out, ref
     torch.cuda.empty_cache()
     return ok
@@ -89,6 +98,17 @@ def time_case(name, prefix, length, Hkv=8, G=4, D=128, dtype=torch.bfloat16, con
     else:
         ms = triton.testing.do_bench(lambda: former_path(q, pool, table, Hkv, scale, prefix, length))
         row["former_ms"] = ms
+    if cudnn_prefill.cudnn_usable(q):
+        run = lambda: cudnn_prefill.chunk_attention(q, pool, table.page_table[0], prefix, Hkv, scale)  # noqa: E731
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()  # the first call at a shape builds cuDNN's plan
+        torch.cuda.synchronize()
+        row["cudnn_first_call_ms"] = 1e3 * (time.perf_counter() - t0)
+        ms = triton.testing.do_bench(run)
+        row["cudnn_ms"], row["cudnn_tflops"] = ms, flops / ms / 1e9
+        print(f"{name:28s} cuDNN path {ms:7.2f} ms ({row['cudnn_tflops']:4.0f} TFLOP/s), first call "
+              f"{row['cudnn_first_call_ms']:.0f} ms")
     results["timing"].append(row)
     extra = (f"flash SDPA {row['sdpa_flash_ms']:.2f} ms ({row['sdpa_flash_tflops']:.0f} TFLOP/s)" if prefix == 0
              else f"former gather + masked SDPA {row['former_ms']:.2f} ms")
@@ -129,6 +149,8 @@ def main():
     time_case("32K prompt in one chunk", 0, 32768, configs=configs)
     time_case("chunk 8192 after 24K", 24576, 8192, configs=configs)
     time_case("chunk 2048 after 30K", 30720, 2048, configs=configs)
+    time_case("chunk 4096 after 28K", 28672, 4096)
+    time_case("chunk 4096 after 4K", 4096, 4096)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "prefill_kernel.json"), "w") as f:

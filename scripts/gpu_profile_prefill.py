@@ -23,7 +23,7 @@ import torch
 from oasiskv.bench.roofline import BF16_FLOPS_PER_S, prefill_flops
 
 KINDS = [  # first match wins: (kind, pattern over the kernel's name)
-    ("attention", r"paged_prefill|flash|fmha|attention|sdpa"),
+    ("attention", r"prefill_kernel|paged_prefill|flash|fmha|attention|sdpa"),
     ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|matmul|cublas|aten::mm|addmm"),
     ("kv write", r"scatter|index_put|write_kv|reshape_and_cache|copy_kv"),
     ("norm", r"norm|rsqrt"),

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from oasiskv.kernels import cudnn_prefill
+
 LOG2E = 1.4426950408889634
 
 
@@ -27,10 +29,12 @@ class PrefillTable:
     chunks: [N, 4] int32, per chunk (query start, length, prefix_len, page-table row);
     page_table: [R, max_pages] int32, row r: the page ids of one sequence in position order,
     covering at least positions [0, prefix_len + length) of its chunk (later entries unread);
-    max_len: the longest chunk (host int: the kernel's grid)."""
+    max_len: the longest chunk (host int: the kernel's grid);
+    spans: per chunk (query start, length, prefix_len) on the host."""
     chunks: torch.Tensor
     page_table: torch.Tensor
     max_len: int
+    spans: list[tuple[int, int, int]]
 
     @classmethod
     def build(cls, starts: list[int], lengths: list[int], prefix_lens: list[int],
@@ -42,7 +46,14 @@ class PrefillTable:
         for i, p in enumerate(pages):
             page_table[i, :len(p)] = p
         chunks = np.array([starts, lengths, prefix_lens, list(range(n))], dtype=np.int32).T.copy()
-        return cls(_to_device(chunks, device), _to_device(page_table, device), max(lengths, default=0))
+        return cls(_to_device(chunks, device), _to_device(page_table, device), max(lengths, default=0),
+                   list(zip(starts, lengths, prefix_lens)))
+
+    def subset(self, keep: list[int]) -> "PrefillTable":
+        """The chunks numbered in `keep` alone (their page-table rows unchanged)."""
+        index = torch.tensor(keep, device=self.chunks.device)
+        spans = [self.spans[i] for i in keep]
+        return PrefillTable(self.chunks[index], self.page_table, max(n for _, n, _ in spans), spans)
 
 
 def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -54,10 +65,24 @@ def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, table: PrefillTable, num_kv_heads: int,
                   scale: float) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]: Triton on CUDA tensors and under Triton's interpreter (so the
-    engine's prefill runs the kernel in a CPU test), torch otherwise."""
-    if triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+    engine's prefill runs the kernel in a CPU test), torch otherwise. On a GPU with cuDNN's
+    fused attention, long chunks go there instead (cudnn_prefill.py: faster at those sizes)."""
+    if not (triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")):
+        return paged_prefill_torch(q, kv_cache, table, num_kv_heads, scale)
+    to_cudnn = []
+    if cudnn_prefill.cudnn_usable(q):
+        to_cudnn = [i for i, (_, n, p) in enumerate(table.spans) if cudnn_prefill.takes_chunk(p, n)]
+    if not to_cudnn:
         return paged_prefill_triton(q, kv_cache, table, num_kv_heads, scale)
-    return paged_prefill_torch(q, kv_cache, table, num_kv_heads, scale)
+    out = torch.empty_like(q)
+    rest = [i for i in range(len(table.spans)) if i not in set(to_cudnn)]
+    if rest:
+        paged_prefill_triton(q, kv_cache, table.subset(rest), num_kv_heads, scale, out=out)
+    for i in to_cudnn:
+        start, n, prefix = table.spans[i]
+        out[start:start + n] = cudnn_prefill.chunk_attention(
+            q[start:start + n], kv_cache, table.page_table[i], prefix, num_kv_heads, scale)
+    return out
 
 
 # --------------------------------------------------------------------------- torch (CPU)
