@@ -18,6 +18,18 @@ from oasiskv.sparse.host_pool import huge_page_empty
 class LocalItems:
     def __init__(self, num_items: int, block_size: int, head_dim: int, dtype: torch.dtype):
         self.items = huge_page_empty((num_items, 2, block_size, head_dim), dtype)
+        self._init_runs(num_items, block_size, head_dim, dtype)
+
+    @classmethod
+    def over(cls, items: torch.Tensor) -> "LocalItems":
+        """Items handed out of an arena made elsewhere (the model runner's `remote_items`, which
+        the pipeline reads)."""
+        store = cls.__new__(cls)
+        store.items = items
+        store._init_runs(items.shape[0], items.shape[2], items.shape[3], items.dtype)
+        return store
+
+    def _init_runs(self, num_items: int, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         self.item_bytes = 2 * block_size * head_dim * dtype.itemsize
         self._runs: list[tuple[int, int]] = [(0, num_items)] if num_items else []  # (start, length)
         self._free_count = num_items

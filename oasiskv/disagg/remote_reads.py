@@ -37,6 +37,9 @@ class RemoteRequest:
     bytes_read: int = 0  # remote bytes received for it
     error: TransportError | None = None
     released: bool = False
+    # Flat where-indices that became local since the last `take_arrived`, when someone keeps a
+    # copy of `where` (the pipeline's item map); None: not logged.
+    arrived: list[np.ndarray] | None = None
 
     @classmethod
     def new(cls, request_id: str, peer: str, remote_start: int, remote_stride: int, remote_blocks: int,
@@ -53,6 +56,12 @@ class RemoteRequest:
 
     def local_items(self) -> np.ndarray:
         return self.where[self.where >= 0]
+
+    def take_arrived(self) -> np.ndarray:
+        """The flat where-indices that became local since the last call (logging from now on)."""
+        got = np.concatenate(self.arrived) if self.arrived else np.zeros(0, dtype=np.int64)
+        self.arrived = []
+        return got
 
 
 def merge_runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -195,6 +204,8 @@ class RemoteReads:
             req.reads_in_flight -= 1
             if ok and req.error is None and not req.released:
                 req.where.reshape(-1)[flat] = local
+                if req.arrived is not None:
+                    req.arrived.append(flat)
                 req.items_held += len(local)
                 req.bytes_read += len(local) * self.store.item_bytes
                 self.totals.bytes_read += len(local) * self.store.item_bytes
@@ -237,6 +248,8 @@ class RemoteReads:
         if local is None:
             return None
         where[new] = local
+        if req.arrived is not None:
+            req.arrived.append(new)
         req.items_held += len(new)
         return where[flat]
 
