@@ -1,0 +1,208 @@
+"""Disaggregated requests on the batched pipeline (its torch forms on CPU; the default model, a
+1,210-token prompt, K = 8). A prefill engine hands the request over; decode engines admit it
+into pipeline rows whose items the device map holds (`RemoteRows`). With every block local at
+admission (full mode) the pipeline's tokens equal the in-line path's. With RPF reads on the
+pipeline, after every step no dynamic slot holds a block that is not local, every slot holds
+its local item's bytes, the window's complete blocks (those the decode side wrote through
+too) are local and equal to the GPU's, each wanted item crosses once, and all host items come
+back; a dead peer fails only its own request."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.disagg.admission import Admission, full_admission
+from oasiskv.disagg.decode_side import RemoteSource, admit, fail_requests
+from oasiskv.disagg.leases import LeaseTable
+from oasiskv.disagg.local_items import LocalItems
+from oasiskv.disagg.prefill_side import hand_over
+from oasiskv.disagg.remote_reads import RemoteReads
+from oasiskv.disagg.socket_transport import SocketTransport
+
+PROMPT_TOKENS, NEW_TOKENS = 1210, 24  # the decode side completes blocks 75 and 76
+CONFIG = dict(max_model_len=1300, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.1,
+              max_num_seqs=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    """One request handed over (both admissions), the prefill's host pool served."""
+    llm = LLM(**CONFIG)
+    engine, sparse = llm.engine, llm.engine.runner.sparse
+    ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:PROMPT_TOKENS]
+    rid = engine.add_request(ids, GREEDY)
+    seq = engine.seqs[rid]
+    while seq.sparse is None:
+        engine.step()
+    full = full_admission(rid, seq, sparse.host.extent_items(seq.host_extent), sparse.step)
+    leases = LeaseTable(sparse.host.free)
+    rpf = hand_over(sparse, seq, leases, "decode-0")
+    engine.abort(rid)
+    owner = SocketTransport()
+    owner.register(sparse.host.items)
+    owner.serve()
+    yield dict(engine=engine, rpf=rpf.to_bytes(), full=full.to_bytes(), owner=owner)
+    owner.close()
+    assert leases.release(rid) and leases.reap() == [rid]
+
+
+def decode_engine(pipeline: bool, deferred: int = 0):
+    """A decode engine and its remote reads over the arena its runner made."""
+    engine = LLM(sparse_pipeline="on" if pipeline else "off", remote_kv_gb=0.15, **CONFIG).engine
+    sparse = engine.runner.sparse
+    if pipeline:
+        engine.runner.pipeline.deferred_layers = deferred
+    store = LocalItems.over(engine.runner.remote_items)
+    reader = SocketTransport()
+    reader.register(store.items)
+    reads = RemoteReads(reader, store)
+    sparse.remote = RemoteSource(reads, sparse.L)
+    return engine, reads
+
+
+def run(engine, reads, admissions: list[tuple[str, bytes, str]], kill=None, check=None) -> dict:
+    """Admit (request id, admission bytes, peer) each and step to the end; kill (step, owner):
+    close that owner after that many steps; check(engine): after every step."""
+    for rid, data, peer in admissions:
+        adm = Admission.from_bytes(data)
+        adm.request_id = rid
+        assert admit(engine, adm, peer, GREEDY) is not None
+    outs, steps = {}, 0
+    while len(outs) < len(admissions):
+        if kill is not None and steps == kill[0]:
+            kill[1].close()
+        for o in engine.step() + fail_requests(engine, reads):
+            if o.finished:
+                outs[o.request_id] = o
+        steps += 1
+        if check is not None:
+            check(engine)
+    reads.wait()  # the last step's reads: their items go back as they settle
+    assert reads.store.bytes_used == 0, "the decode side's host items must all be back"
+    return outs
+
+
+@pytest.mark.parametrize("deferred", [0, 2])
+def test_full_admission_pipeline_equals_in_line(prefill, deferred):
+    """Every block local at admission: the pipeline decodes the in-line path's greedy tokens.
+    deferred: the last layers' transfers and the write-through open the next step."""
+    tokens = {}
+    for pipeline in (False, True):
+        engine, reads = decode_engine(pipeline, deferred)
+        out = run(engine, reads, [("full", prefill["full"], "")])["full"]
+        assert out.finish_reason == "length" and reads.totals.reads == 0
+        tokens[pipeline] = out.token_ids
+        reads.transport.close()
+    assert tokens[True] == tokens[False]
+
+
+def check_rows(engine) -> None:
+    """Each used disaggregated row of the pipeline: its dynamic slots hold only local blocks,
+    with their local items' bytes; its window's complete blocks are local and equal to the GPU's
+    window slots; its device map agrees with its request's table."""
+    p = engine.runner.pipeline
+    rows, store = p.remote, engine.runner.sparse.remote.reads.store
+    S, K, H, L, W, bs = p.S, p.K, p.H, p.L, p.W, p.bs
+    for r, ws in enumerate(p.owners):
+        slot = rows.row_slots[r]
+        assert (slot >= 0) == (ws.remote is not None)
+        item_map = rows.item_map[slot, :, :ws.remote.where.shape[1]]
+        local = torch.from_numpy(ws.remote.where) >= 0
+        assert torch.equal(item_map[local].long(), torch.from_numpy(ws.remote.where)[local])
+        assert (item_map[~local] == -1).all()
+        resident = p.resident[:, r * H:(r + 1) * H].long()  # [L, H, K]
+        layer, head, k = torch.nonzero(resident >= 0, as_tuple=True)
+        block = resident[layer, head, k]
+        items = item_map[layer, block, head].long()
+        assert (items >= 0).all(), "a block that is not local is attended"
+        gpu_slot = p.pages[r, S + k].long() * H + head
+        assert torch.equal(p.kv[layer, gpu_slot], store.items[items])
+        n = int(p.cached[r])
+        for b in range(max(S, n // bs - W + 1), n // bs):  # complete blocks in the window ring
+            slots = p.pages[r, S + K + b % W].long() * H + torch.arange(H)
+            items = item_map[:, b].long()  # [L, H]
+            assert (items >= 0).all(), f"window block {b} was not placed locally"
+            assert torch.equal(p.kv[:, slots], store.items[items])
+
+
+def test_rpf_on_the_pipeline_reads_each_item_once(prefill):
+    engine, reads = decode_engine(pipeline=True)
+    read_items = []
+    post = reads.transport.read
+
+    def recorded(peer, extents, local_offsets, timeout_s):
+        ib = reads.store.item_bytes
+        for off, length in extents.tolist():
+            read_items.extend(range(off // ib, (off + length) // ib))
+        return post(peer, extents, local_offsets, timeout_s)
+
+    reads.transport.read = recorded
+    peer = reads.transport.add_peer(prefill["owner"].metadata())
+    out = run(engine, reads, [("rpf", prefill["rpf"], peer)], check=check_rows)["rpf"]
+    reads.transport.close()
+    assert out.finish_reason == "length" and len(out.token_ids) == NEW_TOKENS
+    assert read_items and len(set(read_items)) == len(read_items), "an item was read twice"
+    # Received: all but what the last step asked for (the request ended before it landed).
+    assert 0 < reads.totals.bytes_read <= len(read_items) * reads.store.item_bytes
+    assert reads.totals.reads <= NEW_TOKENS - 1  # one per peer per step at most
+    assert engine.runner.pipeline.num_rows == 0 and len(engine.runner.pipeline.remote._free) == CONFIG["max_num_seqs"]
+    print(f"pipeline rpf: {reads.totals.reads} reads, {len(read_items)} items ({reads.totals.bytes_read} B)")
+
+
+def test_a_dead_peer_fails_only_its_request_on_the_pipeline(prefill):
+    engine, reads = decode_engine(pipeline=True)
+    doomed = SocketTransport()
+    doomed.register(prefill["engine"].runner.sparse.host.items)
+    doomed.serve()
+    admissions = [(rid, prefill["rpf"], reads.transport.add_peer(owner.metadata()))
+                  for rid, owner in (("dies", doomed), ("lives", prefill["owner"]))]
+    t0 = time.monotonic()
+    outs = run(engine, reads, admissions, kill=(2, doomed), check=check_rows)
+    reads.transport.close()
+    assert outs["dies"].finish_reason == "error" and "prefill" in outs["dies"].error
+    assert len(outs["dies"].token_ids) < NEW_TOKENS
+    assert outs["lives"].finish_reason == "length" and len(outs["lives"].token_ids) == NEW_TOKENS
+    assert reads.totals.failed_requests == 1
+    print(f"dead peer: both requests settled in {time.monotonic() - t0:.1f} s")
+
+
+def test_mapped_copies_equal_their_references():
+    """`copy_mapped`'s torch forms against plain indexing, on random items and maps."""
+    from oasiskv.kernels.copy_mapped import fetch_mapped, write_through_mapped
+    gen = torch.Generator().manual_seed(0)
+    L, R, H, MB, P, S, C, N = 2, 3, 2, 6, 4, 1, 2, 60
+    items = torch.randn(N, 2, 4, 8, generator=gen)
+    kv = torch.randn(L, 20 * H, 2, 4, 8, generator=gen)
+    item_map = torch.randperm(N, generator=gen)[:2 * L * MB * H].view(2, L, MB, H).int()
+    item_map[torch.rand(item_map.shape, generator=gen) < 0.3] = -1
+    row_slot = torch.tensor([1, -1, 0])
+    pages = torch.tensor([[3, 7, 1, 9], [0, 2, 4, 6], [11, 13, 5, 8]], dtype=torch.int32)
+    blocks = torch.randint(-1, MB, (R * H, C), generator=gen, dtype=torch.int32)
+    slots = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 1], [2, 1], [1, 0]], dtype=torch.int32)
+    got = kv[1].clone()
+    fetch_mapped(items, got, 1, blocks, slots, pages, row_slot, item_map, H, S)
+    want = kv[1].clone()
+    for line in range(R * H):
+        r, h = divmod(line, H)
+        for c in range(C):
+            b = int(blocks[line, c])
+            if b >= 0 and row_slot[r] >= 0 and item_map[row_slot[r], 1, b, h] >= 0:
+                want[int(pages[r, S + slots[line, c]]) * H + h] = items[int(item_map[row_slot[r], 1, b, h])]
+    assert torch.equal(got, want)
+    done, wslot, block = torch.tensor([True, True, False]), torch.tensor([2 * H, 5 * H, 8 * H]), torch.tensor([4, 1, 0])
+    got = items.clone()
+    write_through_mapped(kv, got, done, wslot, row_slot, item_map, block, H)
+    want = items.clone()
+    for r in range(R):
+        for layer in range(L):
+            for h in range(H):
+                if done[r] and row_slot[r] >= 0 and item_map[row_slot[r], layer, block[r], h] >= 0:
+                    want[int(item_map[row_slot[r], layer, block[r], h])] = kv[layer, int(wslot[r]) + h]
+    assert torch.equal(got, want) and not torch.equal(got, items)
+    np.testing.assert_array_equal(row_slot.numpy(), [1, -1, 0])
