@@ -9,11 +9,13 @@ back; a dead peer fails only its own request."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
-import numpy as np
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.admission import Admission, full_admission
@@ -172,37 +174,80 @@ def test_a_dead_peer_fails_only_its_request_on_the_pipeline(prefill):
     print(f"dead peer: both requests settled in {time.monotonic() - t0:.1f} s")
 
 
-def test_mapped_copies_equal_their_references():
-    """`copy_mapped`'s torch forms against plain indexing, on random items and maps."""
-    from oasiskv.kernels.copy_mapped import fetch_mapped, write_through_mapped
+def mixed_rows_copies(kernels: bool) -> dict[str, bool]:
+    """A batch of three rows, the middle one with a host extent and the others mapped (one
+    map entry in three not local), on random items: the transfer and the write-through, both
+    forms of each (extent, then mapped, as the pipeline runs them), against plain loops.
+    kernels: the Triton kernels (under the interpreter) instead of the torch forms."""
+    from oasiskv.kernels import copy_items as ci
+    from oasiskv.kernels import copy_mapped as cm
     gen = torch.Generator().manual_seed(0)
     L, R, H, MB, P, S, C, N = 2, 3, 2, 6, 4, 1, 2, 60
+    host = torch.randn(N, 2, 4, 8, generator=gen)
     items = torch.randn(N, 2, 4, 8, generator=gen)
     kv = torch.randn(L, 20 * H, 2, 4, 8, generator=gen)
     item_map = torch.randperm(N, generator=gen)[:2 * L * MB * H].view(2, L, MB, H).int()
     item_map[torch.rand(item_map.shape, generator=gen) < 0.3] = -1
     row_slot = torch.tensor([1, -1, 0])
+    start, nblk = torch.tensor([0, 7, 0]), torch.tensor([0, MB, 0])
     pages = torch.tensor([[3, 7, 1, 9], [0, 2, 4, 6], [11, 13, 5, 8]], dtype=torch.int32)
     blocks = torch.randint(-1, MB, (R * H, C), generator=gen, dtype=torch.int32)
+    blocks[0, 0] = 4
+    item_map[1, 1, 4, 0] = -1  # row 0, head 0 is asked for block 4 of layer 1, not local: nothing moves
     slots = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 1], [2, 1], [1, 0]], dtype=torch.int32)
-    got = kv[1].clone()
-    fetch_mapped(items, got, 1, blocks, slots, pages, row_slot, item_map, H, S)
     want = kv[1].clone()
     for line in range(R * H):
         r, h = divmod(line, H)
         for c in range(C):
-            b = int(blocks[line, c])
-            if b >= 0 and row_slot[r] >= 0 and item_map[row_slot[r], 1, b, h] >= 0:
-                want[int(pages[r, S + slots[line, c]]) * H + h] = items[int(item_map[row_slot[r], 1, b, h])]
-    assert torch.equal(got, want)
-    done, wslot, block = torch.tensor([True, True, False]), torch.tensor([2 * H, 5 * H, 8 * H]), torch.tensor([4, 1, 0])
-    got = items.clone()
-    write_through_mapped(kv, got, done, wslot, row_slot, item_map, block, H)
-    want = items.clone()
+            b, dst = int(blocks[line, c]), int(pages[r, S + slots[line, c]]) * H + h
+            if b < 0:
+                continue
+            if row_slot[r] < 0:
+                want[dst] = host[int(start[r] + (nblk[r] + b) * H + h)]  # layer 1
+            elif item_map[row_slot[r], 1, b, h] >= 0:
+                want[dst] = items[int(item_map[row_slot[r], 1, b, h])]
+    got = kv[1].clone()
+    if kernels:
+        ci._fetch_kernel[(2,)](host, got, blocks, slots, pages, start, nblk, 1, R * H * C, C, H, P, S,
+                               ITEM=64, ITEMP=64, ITEMS=4)
+        cm._fetch_mapped_kernel[(2,)](items, got, blocks, slots, pages, row_slot, item_map, 1, R * H * C, C, H, P,
+                                      S, L, MB, ITEM=64, ITEMP=64, ITEMS=4)
+    else:
+        ci.fetch_admitted(host, got, 1, blocks, slots, pages, start, nblk, H, S)
+        cm.fetch_mapped(items, got, 1, blocks, slots, pages, row_slot, item_map, H, S)
+    out = {"fetch": torch.equal(got, want)}
+    done, wslot, block = torch.tensor([True, True, True]), torch.tensor([2 * H, 5 * H, 8 * H]), torch.tensor([4, 1, 0])
+    want_host, want_items = host.clone(), items.clone()
     for r in range(R):
         for layer in range(L):
             for h in range(H):
-                if done[r] and row_slot[r] >= 0 and item_map[row_slot[r], layer, block[r], h] >= 0:
-                    want[int(item_map[row_slot[r], layer, block[r], h])] = kv[layer, int(wslot[r]) + h]
-    assert torch.equal(got, want) and not torch.equal(got, items)
-    np.testing.assert_array_equal(row_slot.numpy(), [1, -1, 0])
+                src = kv[layer, int(wslot[r]) + h]
+                if row_slot[r] < 0:
+                    want_host[int(start[r] + (layer * nblk[r] + block[r]) * H + h)] = src
+                elif item_map[row_slot[r], layer, block[r], h] >= 0:
+                    want_items[int(item_map[row_slot[r], layer, block[r], h])] = src
+    got_host, got_items = host.clone(), items.clone()
+    if kernels:
+        ci._write_through_kernel[(2,)](kv, got_host, done, wslot, start, nblk, block, L, R, H, 20 * H,
+                                       ITEM=64, ITEMP=64, ITEMS=4)
+        cm._write_through_mapped_kernel[(2,)](kv, got_items, done, wslot, row_slot, item_map, block, L, R, H,
+                                              20 * H, MB, ITEM=64, ITEMP=64, ITEMS=4)
+    else:
+        ci.write_through(kv, got_host, done, wslot, start, nblk, block, H)
+        cm.write_through_mapped(kv, got_items, done, wslot, row_slot, item_map, block, H)
+    out["write_through"] = torch.equal(got_host, want_host) and torch.equal(got_items, want_items)
+    out["moved"] = not torch.equal(got, kv[1]) and not torch.equal(got_host, host) and not torch.equal(got_items, items)
+    return out
+
+
+def test_mixed_rows_torch_forms():
+    assert mixed_rows_copies(kernels=False) == {"fetch": True, "write_through": True, "moved": True}
+
+
+def test_mixed_rows_kernels_interpreter():
+    assert run_under_interpreter(__file__) == {"fetch": True, "write_through": True, "moved": True}
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
+    print(json.dumps(mixed_rows_copies(kernels=True)))
