@@ -32,9 +32,9 @@ CONFIG = dict(max_model_len=1300, sparse=True, top_k_blocks=8, sparse_threshold=
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def prefill():
-    """One request handed over (both admissions), the prefill's host pool served."""
+def hand_over_one() -> dict:
+    """A prefill engine's hand-over of one request: both admissions (bytes), its host pool
+    served by `owner`, the lease table holding the extent (released by the caller)."""
     llm = LLM(sparse_pipeline="off", **CONFIG)  # a prefill instance hands over the in-line working set
     engine, sparse = llm.engine, llm.engine.runner.sparse
     ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:PROMPT_TOKENS]
@@ -49,9 +49,15 @@ def prefill():
     owner = SocketTransport()
     owner.register(sparse.host.items)
     owner.serve()
-    yield dict(engine=engine, rpf=rpf.to_bytes(), full=full.to_bytes(), owner=owner)
-    owner.close()
-    assert leases.release(rid) and leases.reap() == [rid]
+    return dict(engine=engine, rpf=rpf.to_bytes(), full=full.to_bytes(), owner=owner, leases=leases, id=rid)
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    handed = hand_over_one()
+    yield handed
+    handed["owner"].close()
+    assert handed["leases"].release(handed["id"]) and handed["leases"].reap() == [handed["id"]]
 
 
 def decode_engine(pipeline: bool, deferred: int = 0):
@@ -69,13 +75,14 @@ def decode_engine(pipeline: bool, deferred: int = 0):
     return engine, reads
 
 
-def run(engine, reads, admissions: list[tuple[str, bytes, str]], kill=None, check=None) -> dict:
+def run(engine, reads, admissions: list[tuple[str, bytes, str]], kill=None, check=None,
+        params: SamplingParams = GREEDY) -> dict:
     """Admit (request id, admission bytes, peer) each and step to the end; kill (step, owner):
     close that owner after that many steps; check(engine): after every step."""
     for rid, data, peer in admissions:
         adm = Admission.from_bytes(data)
         adm.request_id = rid
-        assert admit(engine, adm, peer, GREEDY) is not None
+        assert admit(engine, adm, peer, params) is not None
     outs, steps = {}, 0
     while len(outs) < len(admissions):
         if kill is not None and steps == kill[0]:
