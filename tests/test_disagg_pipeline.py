@@ -189,6 +189,25 @@ def test_a_dead_peer_fails_only_its_request_on_the_pipeline(prefill):
     print(f"dead peer: both requests settled in {time.monotonic() - t0:.1f} s")
 
 
+def test_arena_pins_chunks_as_it_is_handed_out(monkeypatch):
+    """The decode side's arena registers with CUDA (here: records) one chunk at a time, only
+    as far as `LocalItems` has handed items out, lowest first."""
+    from oasiskv.sparse import host_pool
+    pinned = []
+    monkeypatch.setattr(host_pool, "register_pinned",
+                        lambda t, owner, flag: pinned.append((t.data_ptr() - owner.data_ptr()) // t[0].nbytes))
+    arena = host_pool.PinnedOnUse((100, 2, 4, 8), torch.float32, pin=True, chunk_bytes=10 * 256)
+    store = LocalItems.over(arena)
+    assert pinned == [0] and arena.pinned_items == 10  # the first chunk, for the device view
+    first = store.allocate(25)
+    assert pinned == [0, 10, 20] and arena.pinned_items == 30
+    store.free(first)
+    store.allocate(5)
+    assert arena.pinned_items == 30  # freed items stay pinned; nothing new
+    store.allocate(95)
+    assert pinned == list(range(0, 100, 10)) and arena.pinned_items == 100
+
+
 def mixed_rows_copies(impl: str) -> dict[str, bool]:
     """A batch of three rows, the middle one with a host extent and the others mapped (one
     map entry in three not local), on random items: the transfer and the write-through, both

@@ -20,7 +20,7 @@ from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
 from oasiskv.sparse.manager import SparseManager
-from oasiskv.sparse.host_pool import huge_page_empty, pinned_empty
+from oasiskv.sparse.host_pool import PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 from oasiskv.sparse.remote_rows import RemoteRows
 from oasiskv.sparse.step_hooks import SparseStepHooks
@@ -61,7 +61,7 @@ class ModelRunner(SparseDecodeMixin):
         sc = cfg.sparse_config()
         self.sparse = SparseManager(sc, mc, self.kv, self.block_size) if sc.enabled else None
         self.pipeline = None
-        # A decode instance's arena of received items (`disagg.LocalItems` takes it).
+        # A decode instance's arena of received items (`disagg.LocalItems` hands it out).
         self.remote_items = self._remote_items() if self.sparse is not None else None
         if self._use_pipeline():
             host = self.sparse.host
@@ -69,7 +69,7 @@ class ModelRunner(SparseDecodeMixin):
             remote, slots = None, 0
             if self.remote_items is not None:  # every row may be a disaggregated one
                 slots = cfg.max_num_seqs
-                remote = RemoteRows(self.remote_items, slots, mc.num_layers, self.max_blocks_per_seq,
+                remote = RemoteRows(self.remote_items.tensor, slots, mc.num_layers, self.max_blocks_per_seq,
                                     self.num_kv_heads, cfg.max_num_seqs, sc.top_k_blocks, host_blocks, self.device)
             self.pipeline = LookaheadPipeline(
                 sc, mc, self.kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
@@ -125,15 +125,14 @@ class ModelRunner(SparseDecodeMixin):
             reserve += self.cfg.max_num_seqs * self.max_blocks_per_seq * per_block
         return reserve
 
-    def _remote_items(self) -> torch.Tensor | None:
-        """[N, 2, bs, D] of `remote_kv_gb` GiB: pinned and mapped on CUDA (the pipeline's
-        transfer reads it through UVA), or None when this is not a decode instance."""
+    def _remote_items(self) -> PinnedOnUse | None:
+        """[N, 2, bs, D] of `remote_kv_gb` GiB, on CUDA pinned and mapped as it fills (the
+        pipeline's transfer reads it through UVA), or None when this is not a decode instance."""
         gb = self.cfg.remote_kv_gb
         if gb is None:
             return None
-        item = self.sparse.item_bytes
-        shape = (int(gb * 2**30) // item, 2, self.block_size, self.head_dim)
-        return pinned_empty(shape, self.dtype) if self.device.type == "cuda" else huge_page_empty(shape, self.dtype)
+        shape = (int(gb * 2**30) // self.sparse.item_bytes, 2, self.block_size, self.head_dim)
+        return PinnedOnUse(shape, self.dtype, pin=self.device.type == "cuda")
 
     @property
     def kv_bytes_per_page(self) -> int:
