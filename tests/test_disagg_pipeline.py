@@ -196,7 +196,8 @@ def test_arena_pins_chunks_as_it_is_handed_out(monkeypatch):
     pinned = []
     monkeypatch.setattr(host_pool, "register_pinned",
                         lambda t, owner, flag: pinned.append((t.data_ptr() - owner.data_ptr()) // t[0].nbytes))
-    arena = host_pool.PinnedOnUse((100, 2, 4, 8), torch.float32, pin=True, chunk_bytes=10 * 256)
+    arena = host_pool.PinnedOnUse((100, 2, 4, 8), torch.float32, pin=True, chunk_bytes=10 * 256,
+                                      page_bytes=512)
     store = LocalItems.over(arena)
     assert pinned == [0] and arena.pinned_items == 10  # the first chunk, for the device view
     first = store.allocate(25)

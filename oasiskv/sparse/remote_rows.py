@@ -48,7 +48,7 @@ class RemoteRows:
         self._free = list(range(num_slots - 1, -1, -1))
         shape = (R * H, L, top_k)
         pin = device.type == "cuda"
-        self._wanted_host = pinned_empty(shape, torch.int32, huge_pages=False) if pin else torch.empty(shape, dtype=torch.int32)
+        self._wanted_host = pinned_empty(shape, torch.int32) if pin else torch.empty(shape, dtype=torch.int32)
         self._staged_lines = 0
 
     @property
