@@ -28,7 +28,7 @@ from oasiskv.disagg.socket_transport import SocketTransport
 
 PROMPT_TOKENS, NEW_TOKENS = 1210, 24  # the decode side completes blocks 75 and 76
 CONFIG = dict(max_model_len=1300, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.1,
-              max_num_seqs=4)
+              max_num_seqs=4, kv_cache_gb=1.0)  # (pages: at most what 4 requests of 1,300 tokens need)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
