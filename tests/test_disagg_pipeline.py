@@ -5,12 +5,15 @@ admission (full mode) the pipeline's tokens equal the in-line path's. With RPF r
 pipeline, after every step no dynamic slot holds a block that is not local, every slot holds
 its local item's bytes, the window's complete blocks (those the decode side wrote through
 too) are local and equal to the GPU's, each wanted item crosses once, and all host items come
-back; a dead peer fails only its own request."""
+back; a dead peer fails only its own request. The three servers with the decode server on the
+pipeline: full transfer decodes the colocated tokens, RPF holds fewer host bytes."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -25,11 +28,14 @@ from oasiskv.disagg.local_items import LocalItems
 from oasiskv.disagg.prefill_side import hand_over
 from oasiskv.disagg.remote_reads import RemoteReads
 from oasiskv.disagg.socket_transport import SocketTransport
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
+from server_client import call, free_port, metrics
 
 PROMPT_TOKENS, NEW_TOKENS = 1210, 24  # the decode side completes blocks 75 and 76
 CONFIG = dict(max_model_len=1300, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.1,
               max_num_seqs=4, kv_cache_gb=1.0)  # (pages: at most what 4 requests of 1,300 tokens need)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+HOST = "127.0.0.1"
 
 
 def hand_over_one() -> dict:
@@ -187,6 +193,52 @@ def test_a_dead_peer_fails_only_its_request_on_the_pipeline(prefill):
     assert outs["lives"].finish_reason == "length" and len(outs["lives"].token_ids) == NEW_TOKENS
     assert reads.totals.failed_requests == 1
     print(f"dead peer: both requests settled in {time.monotonic() - t0:.1f} s")
+
+
+def test_servers_decode_on_the_pipeline():
+    """`serve --role decode --sparse-pipeline on` (what CUDA runs by default) behind the proxy:
+    the full transfer's tokens equal the decode server's own colocated decode of the prompt, an
+    RPF request reads remotely and holds fewer host bytes than full, and the arena drains."""
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+    url = {name: f"http://{HOST}:{port}" for name, port in ports.items()}
+    engine = ["--max-model-len", "1300", "--sparse", "--top-k-blocks", "8", "--sparse-threshold", "512",
+              "--host-kv-gb", "0.1", "--kv-cache-gb", "0.5", "--max-num-seqs", "4", "--disable-log-stats",
+              "--kv-transport", "socket"]
+    procs = {"prefill": start_server([*engine, "--role", "prefill"], HOST, ports["prefill"], wait=False),
+             "decode": start_server([*engine, "--role", "decode", "--sparse-pipeline", "on", "--remote-kv-gb", "0.15"],
+                                    HOST, ports["decode"], wait=False),
+             "proxy": subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
+                                        url["prefill"], "--decode", url["decode"], "--port", str(ports["proxy"]),
+                                        "--log-level", "warning"], start_new_session=True)}
+    try:
+        for name, proc in procs.items():
+            wait_for_health(url[name], 600, proc)
+        status, out = call(url["decode"], "/tokenize", {"prompt": open(argparse.__file__).read(),
+                                                        "add_special_tokens": False})
+        body = {"prompt": out["tokens"][:PROMPT_TOKENS], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        texts, host = {}, {}
+        for name, base, transfer in (("colocated", url["decode"], None), ("rpf", url["proxy"], None),
+                                     ("full", url["proxy"], {"transfer_mode": "full"})):
+            status, out = call(base, "/v1/completions", {**body, **({"kv_transfer_params": transfer} if transfer else {})},
+                               timeout=600)
+            assert status == 200, out
+            texts[name] = out["choices"][0]["text"]
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the answer may leave before the engine records the request
+                m = metrics(url["decode"])
+                if m["oasiskv:disagg_request_host_bytes_count"] >= len(host) + (name != "colocated"):
+                    break
+                time.sleep(0.1)
+            if name != "colocated":
+                host[name] = m["oasiskv:disagg_request_host_bytes_sum"] - sum(host.values())
+        assert texts["full"] == texts["colocated"]
+        assert m["oasiskv:disagg_remote_reads_total"] > 0 and 0 < host["rpf"] < host["full"]
+        assert m["oasiskv:disagg_host_bytes_used"] == 0
+        print(f"servers on the pipeline: host bytes rpf {host['rpf']:.0f}, full {host['full']:.0f}; "
+              f"{m['oasiskv:disagg_remote_reads_total']:.0f} remote reads")
+    finally:
+        for proc in procs.values():
+            stop_server(proc, timeout=30)
 
 
 def test_arena_pins_chunks_as_it_is_handed_out(monkeypatch):
