@@ -109,15 +109,16 @@ class RemoteSource:
             pipeline.remote.update_map(*(np.concatenate(x) for x in zip(*parts)))
 
     def after_pipeline_step(self, pipeline) -> None:
-        """The step's wanted blocks (read with its tokens) asked for, layer by layer as the
-        in-line path asks, and posted: one read per peer, under the byte budget."""
+        """The step's wanted blocks (read with its tokens) asked for, one call per row (the
+        flush takes them layer by layer, as the in-line path asks), and posted: one read per
+        peer, under the byte budget."""
         layer, row, head, block = pipeline.remote.read_wanted()
-        if len(layer):
-            key = layer * pipeline.R + row  # sorted: layer-major, then row
-            for seg in np.split(np.arange(len(key)), np.flatnonzero(np.diff(key)) + 1):
-                req = pipeline.owners[row[seg[0]]].remote
-                if req is not None:
-                    self.reads.want(req, layer[seg[0]], block[seg], head[seg])
+        order = np.argsort(row, kind="stable")  # each row's asks together, layer by layer
+        layer, row, head, block = layer[order], row[order], head[order], block[order]
+        for seg in np.split(np.arange(len(row)), np.flatnonzero(np.diff(row)) + 1) if len(row) else []:
+            req = pipeline.owners[row[seg[0]]].remote
+            if req is not None:
+                self.reads.want(req, layer[seg], block[seg], head[seg])
         self.reads.flush(self.budget_bytes)
 
 
