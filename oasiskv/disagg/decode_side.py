@@ -112,9 +112,7 @@ class RemoteSource:
         """The step's wanted blocks (read with its tokens) asked for, one call per row (the
         flush takes them layer by layer, as the in-line path asks), and posted: one read per
         peer, under the byte budget."""
-        layer, row, head, block = pipeline.remote.read_wanted()
-        order = np.argsort(row, kind="stable")  # each row's asks together, layer by layer
-        layer, row, head, block = layer[order], row[order], head[order], block[order]
+        layer, row, head, block = pipeline.remote.read_wanted()  # row by row
         for seg in np.split(np.arange(len(row)), np.flatnonzero(np.diff(row)) + 1) if len(row) else []:
             req = pipeline.owners[row[seg[0]]].remote
             if req is not None:

@@ -126,8 +126,8 @@ class RemoteRows:
         self._staged_lines = n
 
     def read_wanted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The staged step's wanted blocks as (layer, row, head, block), layer by layer, each
-        row's heads in order. Call once the step's tokens are read."""
-        w = self._wanted_host[:self._staged_lines].numpy().transpose(1, 0, 2)  # [L, lines, K]
-        layer, line, k = np.nonzero(w >= 0)
-        return layer, line // self.H, line % self.H, w[layer, line, k].astype(np.int64)
+        """The staged step's wanted blocks as (layer, row, head, block), row by row (each row's
+        heads in order, each head's layers in order). Call once the step's tokens are read."""
+        w = self._wanted_host[:self._staged_lines].numpy()  # [lines, L, K]
+        line, layer, k = np.nonzero(w >= 0)
+        return layer, line // self.H, line % self.H, w[line, layer, k].astype(np.int64)
