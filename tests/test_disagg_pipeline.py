@@ -41,7 +41,8 @@ HOST = "127.0.0.1"
 def hand_over_one() -> dict:
     """A prefill engine's hand-over of one request: both admissions (bytes), its host pool
     served by `owner`, the lease table holding the extent (released by the caller)."""
-    llm = LLM(sparse_pipeline="off", **CONFIG)  # a prefill instance hands over the in-line working set
+    # As a prefill server runs: the in-line working set (the hand-over reads it), synchronous steps.
+    llm = LLM(sparse_pipeline="off", async_scheduling="off", **CONFIG)
     engine, sparse = llm.engine, llm.engine.runner.sparse
     ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:PROMPT_TOKENS]
     rid = engine.add_request(ids, GREEDY)
@@ -300,7 +301,7 @@ def mixed_rows_copies(impl: str) -> dict[str, bool]:
         dev = torch.device("cuda")
         pinned = {}
         for name, t in (("host", host), ("items", items)):
-            pinned[name] = pinned_empty(t.shape, t.dtype, huge_pages=False)
+            pinned[name] = pinned_empty(t.shape, t.dtype)
             pinned[name].copy_(t)
         g = {k: v.to(dev) for k, v in dict(kv=kv, pages=pages, blocks=blocks, slots=slots, start=start, nblk=nblk,
                                             row_slot=row_slot, item_map=item_map).items()}
