@@ -151,8 +151,10 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence
     p = m.pipeline
     slot = None
     if p is not None:  # its row of the batched pipeline, and that row's item map
-        slot = p.remote.take_slot()
-        if slot is None:
+        if p.remote is None:
+            raise ValueError("the engine's pipeline has no rows for disaggregated requests (remote_kv_gb)")
+        slot = p.remote.take_slot() if p.num_rows < p.R else None
+        if slot is None:  # every row in use: it waits
             engine.block_manager.give_back(pages)
             source.reads.release(state.remote)
             return None
