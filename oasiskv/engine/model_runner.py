@@ -143,6 +143,10 @@ class ModelRunner(SparseDecodeMixin):
             budget = self.cfg.kv_cache_gb * 2**30
         elif self.device.type == "cuda":
             budget = self._cuda_kv_budget() - self._pipeline_reserve()
+            if budget <= 0 and self.cfg.remote_kv_gb is not None:
+                raise ValueError("the pipeline's rows for disaggregated requests (summaries and an item map for "
+                                 "--max-num-seqs requests of --max-model-len) leave no GPU memory for the KV "
+                                 "cache: lower --max-num-seqs or --max-model-len")
         else:
             budget = CPU_DEFAULT_KV_GB * 2**30
         # Never more than every sequence at full length needs.
