@@ -242,6 +242,37 @@ def test_servers_decode_on_the_pipeline():
             stop_server(proc, timeout=30)
 
 
+class _Recorder:
+    """A transport that records the remote extents of each read and completes it at once."""
+
+    def __init__(self):
+        self.reads = []
+
+    def read(self, peer, extents, local_offsets, timeout_s):
+        self.reads.append((peer, extents.copy()))
+        return peer
+
+    def poll(self, pending) -> bool:
+        return True
+
+
+def test_budget_takes_layer_by_layer_across_rows():
+    """The pipeline asks row by row (all of a row's layers in one call); under a byte budget the
+    flush still takes every row's first layer before any row's second, as the in-line path asks."""
+    from oasiskv.disagg.remote_reads import REMOTE, RemoteRequest
+    store = LocalItems(64, 1, 1, torch.float32)
+    transport = _Recorder()
+    reads = RemoteReads(transport, store)
+    rows = [RemoteRequest.new(f"r{i}", "peer", 100 * i, 8, 8, 2, 8, 1) for i in range(2)]
+    for req in rows:
+        reads.admit(req)
+        reads.want(req, [0, 0, 1, 1], [3, 5, 3, 5], 0)  # layer 0's blocks, then layer 1's
+    assert reads.flush(budget_bytes=4 * store.item_bytes) == 4 * store.item_bytes
+    assert len(transport.reads) == 1 and reads.totals.items_over_budget == 4
+    for req in rows:
+        assert (req.where[0, [3, 5], 0] != REMOTE).all() and (req.where[1, [3, 5], 0] == REMOTE).all()
+
+
 def test_arena_pins_chunks_as_it_is_handed_out(monkeypatch):
     """The decode side's arena registers with CUDA (here: records) one chunk at a time, only
     as far as `LocalItems` has handed items out, lowest first."""
