@@ -558,9 +558,9 @@ class LookaheadPipeline:
                        self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items,
                        self.transfer_warps, self.transfer_tma_stages)
         if self.remote is not None:
-            self.remote.fetch(self.kv[layer], layer, self.admit_blocks[layer, :B * H], self.admit_slots[layer, :B * H],
-                              self.pages[:B], self.S, self.transfer_programs, self.transfer_items,
-                              self.transfer_warps)
+            self.remote.fetch(self.kv[layer], layer, self.admit_blocks[layer, :B * H],
+                              self.admit_slots[layer, :B * H], self.pages[:B], self.S, self.transfer_programs,
+                              self.transfer_items, self.transfer_warps)
 
     def write_through(self, wt: WriteThrough | None = None) -> None:
         """The blocks a step completed (this step's, or `wt`: the last step's), GPU -> host."""
