@@ -31,6 +31,9 @@ class EngineConfig:
     fetch_ratio: float = 0.05
     drafter: str = "self"
     host_kv_gb: float = 4.0
+    # A decode instance (serve --role decode): GiB of host arena for its admitted requests' items
+    # (`disagg.LocalItems`; pinned and mapped for the pipeline); None elsewhere.
+    remote_kv_gb: float | None = None
     summary_dtype: str = "auto"
     fetch_budget: str | float = "auto"  # transfer budget per step: auto | off | MB
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off

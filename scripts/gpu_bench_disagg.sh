@@ -18,7 +18,7 @@
 # EXTRA: more flags for both servers (e.g. --max-num-seqs 16: fewer captured steps).
 # Memory: at 32K tokens one qwen3-8b request's KV is 4.6 GiB. The prefill's host pool holds every
 # RPF request's KV until its decode ends (PREFILL_HOST_GB, default PROMPTS x 4.7 + 2 for rpf, 24 for
-# full); the decode side's arena (DECODE_REMOTE_GB) is only touched as blocks arrive. 16 prompts in
+# full); the decode side's arena (DECODE_REMOTE_GB) is touched and pinned only as blocks arrive. 16 prompts in
 # rpf need about 80 GiB of pinned host memory on the prefill side: the 1-GPU host has 125 GiB.
 # `CASES=... bash scripts/gpu_bench_disagg.sh smoke` runs on CPU at tiny sizes (the default model).
 set -u
@@ -40,7 +40,9 @@ P_PORT=8100; D_PORT=8200; X_PORT=8000
 ENGINE=(--model "$MODEL" --load-format dummy --top-k-blocks "$TOPK" --max-model-len $((IN + OUT_LEN + 64))
         --disable-log-stats ${EXTRA:-})
 P_FLAGS=(--kv-cache-gb "${PREFILL_KV_GB:-40}")
-D_FLAGS=(--kv-cache-gb "${DECODE_KV_GB:-20}" --host-kv-gb 1)
+# The decode server's pipeline keeps summaries and an item map on the GPU for --max-num-seqs
+# requests of --max-model-len (5 GiB at 16 x 33K for qwen3-8b): size it to the prompts.
+D_FLAGS=(--kv-cache-gb "${DECODE_KV_GB:-20}" --host-kv-gb 1 --max-num-seqs "$PROMPTS")
 if [ "${1:-}" = smoke ]; then  # CPU, the default model, tiny sizes: checks the script, not speed
   PY=${PY_SMOKE:-.venv/bin/python}; PROMPTS=${PROMPTS_SMOKE:-2}; IN=600; OUT_LEN=8; TOPK=4; MODEL=SmolLM2-135M
   ENGINE=(--top-k-blocks "$TOPK" --max-model-len 1000 --disable-log-stats)

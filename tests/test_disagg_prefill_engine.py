@@ -1,5 +1,6 @@
 """The prefill role's engine: a hand-over that fails ends only its own request, and the role
-servers run the in-line sparse path (whose working set the hand-over reads)."""
+servers' sparse paths: the prefill's in-line (whose working set the hand-over reads), the
+decode's the pipeline where the engine would run it, in-line with --rpf-strict."""
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,11 @@ from oasiskv.disagg.socket_transport import SocketTransport
 from oasiskv.entrypoints.disagg_args import role_config
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_role_servers_run_the_in_line_path(role):
-    cfg = role_config(EngineConfig(sparse_pipeline="on", async_scheduling="on"), role)
-    assert (cfg.sparse, cfg.sparse_pipeline, cfg.async_scheduling) == (True, "off", "off")
+@pytest.mark.parametrize("role,strict,pipeline", [("prefill", False, "off"), ("decode", True, "off"),
+                                                   ("decode", False, "on")])
+def test_role_servers_sparse_paths(role, strict, pipeline):
+    cfg = role_config(EngineConfig(sparse_pipeline="on", async_scheduling="on"), role, strict)
+    assert (cfg.sparse, cfg.sparse_pipeline, cfg.async_scheduling) == (True, pipeline, "off")
 
 
 def test_a_failed_hand_over_fails_only_its_request(monkeypatch):

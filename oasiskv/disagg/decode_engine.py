@@ -4,8 +4,10 @@ A request that carries a prefill's transfer parameters arrives with its admissio
 the HTTP side (`expect_admission`, before the request is added); adding it admits it
 (`decode_side.admit`): its working set goes to the GPU and it decodes at once, reading the other
 blocks it needs from the prefill peer over the transport (`RemoteSource`, `RemoteReads`). A
-request without them is served as usual (colocated). One host arena (`LocalItems`), registered
-with the transport once, holds the items of every admitted request.
+request without them is served as usual (colocated). One host arena (`LocalItems`, the model runner's
+`remote_items`: pinned and mapped on CUDA), registered with the transport once, holds the items
+of every admitted request. On CUDA the requests decode batched through the pipeline (its
+disaggregated rows, `RemoteRows`); with --rpf-strict and on CPU, on the in-line path.
 
 Lifetimes: the prefill's lease on a request is renewed by `LeaseHeartbeats` while the request
 runs and released when it finishes or is aborted (`full` admissions at once: they need nothing
@@ -15,6 +17,7 @@ go back.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -37,12 +40,12 @@ class DecodeEngine(LLMEngine):
         """remote_kv_gb: the arena for admitted requests' items (default: --host-kv-gb);
         link_gbps: the remote reads' byte budget per step is what this link carries during
         the previous decode step (None: no budget)."""
-        super().__init__(config)
-        m = self.runner.sparse
-        if m is None:
+        if not config.sparse:
             raise ValueError("the decode role needs sparse decode (--sparse)")
-        gb = remote_kv_gb if remote_kv_gb is not None else m.cfg.host_kv_gb
-        self.store = LocalItems(int(gb * 2**30) // m.item_bytes, m.block_size, m.D, m.dtype)
+        gb = remote_kv_gb if remote_kv_gb is not None else config.host_kv_gb
+        super().__init__(dataclasses.replace(config, remote_kv_gb=gb))
+        m = self.runner.sparse
+        self.store = LocalItems.over(self.runner.remote_items)  # the arena the pipeline reads
         self.transport = transport
         transport.register(self.store.items)
         self.reads = RemoteReads(transport, self.store, read_timeout_s)

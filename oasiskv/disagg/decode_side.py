@@ -1,6 +1,7 @@
 """The decode instance's side of disaggregation (docs/disaggregation.md): admitting a request
 from its prefill's admission, and the source the sparse manager asks for a disaggregated
-working set's blocks (`SparseManager.remote`; the in-line path).
+working set's blocks (`SparseManager.remote`), on the in-line path and around the batched
+pipeline's steps.
 
 Each step, the predict stage's top-K blocks of every (layer, KV head) are asked of the remote
 table (`RemoteReads.want`). Blocks not local yet are left out of this step's prediction, so the
@@ -9,6 +10,11 @@ last layer, under the byte budget. Reads are polled at every layer: a block coun
 first layer that asks for it after it lands, the next step at the latest. With
 `strict`, each layer waits for its blocks instead: the working set evolves exactly as it does
 colocated, which makes the tokens equal (tests).
+
+On the pipeline the same happens a step apart: the step's predictions mask the blocks the
+device map (`RemoteRows`) does not hold and list them; after the step the host asks for them
+(`after_pipeline_step`: one read per peer), and before the next it writes the items that
+arrived into the map (`before_pipeline_step`).
 """
 from __future__ import annotations
 
@@ -77,6 +83,42 @@ class RemoteSource:
     def release(self, ws: WorkingSet) -> None:
         self.reads.release(ws.remote)
 
+    # ---- around a pipeline step ---------------------------------------------------------
+    def before_pipeline_step(self, pipeline, seqs: list[Sequence]) -> None:
+        """Reads that settled, and local items for every block the step completes (its
+        write-through goes there: `copy_mapped`), into the device map, on the step's stream."""
+        self.reads.poll()
+        bs, H = pipeline.bs, pipeline.H
+        for s in seqs:
+            req, n = s.sparse.remote, s.num_tokens - 1  # the step adds the token at position n
+            if req is None or (n + 1) % bs or req.error is not None or req.released:
+                continue
+            if self.reads.place(req, np.arange(self.num_layers)[:, None], n // bs, np.arange(H)[None, :]) is None:
+                raise RuntimeError("the decode side's host items are full")
+        parts = []
+        for row, ws in enumerate(pipeline.owners):
+            req = ws.remote
+            if req is None or req.arrived is None:
+                continue
+            flat = req.take_arrived()
+            if len(flat):
+                layer, block, head = np.unravel_index(flat, req.where.shape)
+                slot = np.full(len(flat), pipeline.remote.row_slots[row])
+                parts.append((slot, layer, block, head, req.where.reshape(-1)[flat]))
+        if parts:
+            pipeline.remote.update_map(*(np.concatenate(x) for x in zip(*parts)))
+
+    def after_pipeline_step(self, pipeline) -> None:
+        """The step's wanted blocks (read with its tokens) asked for, one call per row (the
+        flush takes them layer by layer, as the in-line path asks), and posted: one read per
+        peer, under the byte budget."""
+        layer, row, head, block = pipeline.remote.read_wanted()  # row by row
+        for seg in np.split(np.arange(len(row)), np.flatnonzero(np.diff(row)) + 1) if len(row) else []:
+            req = pipeline.owners[row[seg[0]]].remote
+            if req is not None:
+                self.reads.want(req, layer[seg], block[seg], head[seg])
+        self.reads.flush(self.budget_bytes)
+
 
 def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence | None:
     """Start decoding an admission in `engine` (a decode instance whose sparse manager has a
@@ -106,9 +148,23 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence
     ws = WorkingSet(m.cfg, pages, None, state.blocks, last, state.kmin.to(m.device), state.kmax.to(m.device),
                     draft=adm.draft, remote=state.remote)
     ws.history = TokenHistory(seq.token_ids)
+    p = m.pipeline
+    slot = None
+    if p is not None:  # its row of the batched pipeline, and that row's item map
+        if p.remote is None:
+            raise ValueError("the engine's pipeline has no rows for disaggregated requests (remote_kv_gb)")
+        slot = p.remote.take_slot() if p.num_rows < p.R else None
+        if slot is None:  # every row in use: it waits
+            engine.block_manager.give_back(pages)
+            source.reads.release(state.remote)
+            return None
     layer, head, pos = held_positions(state.blocks)
     slots = torch.tensor(pages, dtype=torch.long)[pos] * m.Hkv + head
     m.kv[layer.to(m.device), slots.to(m.device)] = state.items.to(m.device, m.kv.dtype)
+    if p is not None:
+        state.remote.arrived = []  # from now on the map follows the table
+        p.adopt(ws, seq.num_cached_tokens, slot)
+        p.remote.set_map(slot, state.remote.where)
     seq.pages, seq.sparse, seq.status = pages, ws, SequenceStatus.RUNNING
     engine.seqs[seq.request_id] = seq
     engine.scheduler.running.append(seq)

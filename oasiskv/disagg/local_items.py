@@ -12,15 +12,29 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from oasiskv.sparse.host_pool import huge_page_empty
+from oasiskv.sparse.host_pool import PinnedOnUse, huge_page_empty
 
 
 class LocalItems:
     def __init__(self, num_items: int, block_size: int, head_dim: int, dtype: torch.dtype):
         self.items = huge_page_empty((num_items, 2, block_size, head_dim), dtype)
+        self._init_runs(num_items, block_size, head_dim, dtype)
+
+    @classmethod
+    def over(cls, arena: PinnedOnUse) -> "LocalItems":
+        """Items handed out of an arena made elsewhere (the model runner's `remote_items`, which
+        the pipeline reads): each batch pinned before it is handed out (`PinnedOnUse.pin_to`)."""
+        store = cls.__new__(cls)
+        items = store.items = arena.tensor
+        store._init_runs(items.shape[0], items.shape[2], items.shape[3], items.dtype)
+        store._grow = arena.pin_to
+        return store
+
+    def _init_runs(self, num_items: int, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         self.item_bytes = 2 * block_size * head_dim * dtype.itemsize
         self._runs: list[tuple[int, int]] = [(0, num_items)] if num_items else []  # (start, length)
         self._free_count = num_items
+        self._grow = None  # called with the end of every batch handed out
 
     @property
     def num_items(self) -> int:
@@ -49,7 +63,11 @@ class LocalItems:
                 self._runs[0] = (start + take, length - take)
             need -= take
         self._free_count -= n
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        if not out:
+            return np.zeros(0, dtype=np.int64)
+        if self._grow is not None:
+            self._grow(int(out[-1][-1]) + 1)
+        return np.concatenate(out)
 
     def free(self, indices: np.ndarray) -> None:
         """Give items back; runs are merged with their neighbours."""

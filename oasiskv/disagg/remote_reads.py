@@ -5,8 +5,8 @@ extent there, `[layer][block][head]` items from `remote_start`. The decode side 
 per request, `where[layer, block, head]`: the local item holding it (`LocalItems`), REMOTE, or
 IN_FLIGHT. Each step the sparse stages `want` the items they predict; `flush` turns everything
 wanted since the last flush into one batched read per prefill peer, merged across requests and
-layers, under a byte budget that keeps items in the order they were wanted (the engine asks
-layer by layer, each head's blocks best first), with adjacent items merged into one extent;
+layers, under a byte budget that takes items layer by layer and within a layer in the order
+they were wanted (each head's blocks best first), with adjacent items merged into one extent;
 `poll` marks the items of completed reads local, and they count from then on. An item is read at most once: local and in-flight items are
 never asked again. A peer's failed read fails every request of that peer (`failed`), whose
 items are freed once no read can still write into them.
@@ -37,6 +37,9 @@ class RemoteRequest:
     bytes_read: int = 0  # remote bytes received for it
     error: TransportError | None = None
     released: bool = False
+    # Flat where-indices that became local since the last `take_arrived`, when someone keeps a
+    # copy of `where` (the pipeline's item map); None: not logged.
+    arrived: list[np.ndarray] | None = None
 
     @classmethod
     def new(cls, request_id: str, peer: str, remote_start: int, remote_stride: int, remote_blocks: int,
@@ -53,6 +56,12 @@ class RemoteRequest:
 
     def local_items(self) -> np.ndarray:
         return self.where[self.where >= 0]
+
+    def take_arrived(self) -> np.ndarray:
+        """The flat where-indices that became local since the last call (logging from now on)."""
+        got = np.concatenate(self.arrived) if self.arrived else np.zeros(0, dtype=np.int64)
+        self.arrived = []
+        return got
 
 
 def merge_runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -109,27 +118,39 @@ class RemoteReads:
         return state >= 0
 
     def flush(self, budget_bytes: int | None = None) -> int:
-        """Post one read per peer for the items wanted since the last flush, in the order asked, at most
-        `budget_bytes` in all; returns the bytes posted. Items over the budget are dropped (the
-        stages ask again next step if they still want them)."""
-        wanted, self._wanted = self._wanted, []
-        budget_items = None if budget_bytes is None else budget_bytes // self.store.item_bytes
+        """Post one read per peer for the items wanted since the last flush, at most
+        `budget_bytes` in all, taken layer by layer and within a layer in the order asked;
+        returns the bytes posted. Items over the budget are dropped (the stages ask again next
+        step if they still want them)."""
+        asks = [(req, flat) for req, flat in self._wanted if req.error is None and not req.released]
+        self._wanted = []
+        if not asks:
+            return 0
+        requests = list({id(req): req for req, _ in asks}.values())
+        number = {id(req): i for i, req in enumerate(requests)}
+        who = np.concatenate([np.full(len(flat), number[id(req)], dtype=np.int64) for req, flat in asks])
+        flat = np.concatenate([flat for _, flat in asks])
+        _, first = np.unique(who << 40 | flat, return_index=True)
+        first.sort()  # once each, where first asked
+        who, flat = who[first], flat[first]
+        remote = np.empty(len(flat), dtype=bool)
+        for i, req in enumerate(requests):  # not asked by an earlier flush
+            mine = who == i
+            remote[mine] = req.where.reshape(-1)[flat[mine]] == REMOTE
+        who, flat = who[remote], flat[remote]
+        per_layer = np.array([req.where[0].size for req in requests])  # a layer's where-entries
+        order = np.argsort(flat // per_layer[who], kind="stable")
+        who, flat = who[order], flat[order]
+        if budget_bytes is not None:
+            keep = max(0, min(len(flat), budget_bytes // self.store.item_bytes))
+            self.totals.items_over_budget += len(flat) - keep
+            who, flat = who[:keep], flat[:keep]
         by_peer: dict[str, list[tuple[RemoteRequest, np.ndarray]]] = {}
-        taken = 0
-        for req, flat in wanted:
-            if req.error is not None or req.released:
-                continue
-            _, first = np.unique(flat, return_index=True)
-            flat = flat[np.sort(first)]  # once each, in the order asked
-            flat = flat[req.where.reshape(-1)[flat] == REMOTE]  # not asked by an earlier call
-            if budget_items is not None:
-                keep = max(0, min(len(flat), budget_items - taken))
-                self.totals.items_over_budget += len(flat) - keep
-                flat = flat[:keep]
-            if len(flat):
-                req.where.reshape(-1)[flat] = IN_FLIGHT
-                by_peer.setdefault(req.peer, []).append((req, flat))
-                taken += len(flat)
+        for i, req in enumerate(requests):
+            mine = flat[who == i]
+            if len(mine):
+                req.where.reshape(-1)[mine] = IN_FLIGHT
+                by_peer.setdefault(req.peer, []).append((req, mine))
         posted = 0
         for peer, parts in by_peer.items():
             posted += self._post(peer, parts)
@@ -195,6 +216,8 @@ class RemoteReads:
             req.reads_in_flight -= 1
             if ok and req.error is None and not req.released:
                 req.where.reshape(-1)[flat] = local
+                if req.arrived is not None:
+                    req.arrived.append(flat)
                 req.items_held += len(local)
                 req.bytes_read += len(local) * self.store.item_bytes
                 self.totals.bytes_read += len(local) * self.store.item_bytes
@@ -237,6 +260,8 @@ class RemoteReads:
         if local is None:
             return None
         where[new] = local
+        if req.arrived is not None:
+            req.arrived.append(new)
         req.items_held += len(new)
         return where[flat]
 

@@ -95,8 +95,10 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._ids = itertools.count()
-        self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.runner.device.type == "cuda")
+        # A decode instance (remote_kv_gb) steps synchronously: the host reads each step's wanted
+        # blocks before it prepares the next (`disagg.decode_side.RemoteSource`).
+        self.async_scheduling = config.remote_kv_gb is None and (config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda"))
         self._in_flight: InFlight | None = None
         self._last_done = 0.0
         self._weight_bytes = weight_bytes_per_step(mc, self.runner.dtype.itemsize)

@@ -20,7 +20,9 @@ from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
 from oasiskv.sparse.manager import SparseManager
+from oasiskv.sparse.host_pool import PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
+from oasiskv.sparse.remote_rows import RemoteRows
 from oasiskv.sparse.step_hooks import SparseStepHooks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -59,11 +61,20 @@ class ModelRunner(SparseDecodeMixin):
         sc = cfg.sparse_config()
         self.sparse = SparseManager(sc, mc, self.kv, self.block_size) if sc.enabled else None
         self.pipeline = None
+        # A decode instance's arena of received items (`disagg.LocalItems` hands it out).
+        self.remote_items = self._remote_items() if self.sparse is not None else None
         if self._use_pipeline():
             host = self.sparse.host
+            host_blocks = host.num_items // (mc.num_layers * self.num_kv_heads)
+            remote, slots = None, 0
+            if self.remote_items is not None:  # every row may be a disaggregated one
+                slots = cfg.max_num_seqs
+                remote = RemoteRows(self.remote_items.tensor, slots, mc.num_layers, self.max_blocks_per_seq,
+                                    self.num_kv_heads, cfg.max_num_seqs, sc.top_k_blocks, host_blocks, self.device)
             self.pipeline = LookaheadPipeline(
                 sc, mc, self.kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
-                summary_blocks=host.num_items // (mc.num_layers * self.num_kv_heads), block_size=self.block_size)
+                summary_blocks=host_blocks + slots * self.max_blocks_per_seq, block_size=self.block_size,
+                remote=remote)
             self.sparse.pipeline = self.pipeline
             if self.device.type == "cuda":  # events inside the captured step: the stall per step
                 self.pipeline.timing = PipelineTiming(mc.num_layers)
@@ -101,11 +112,27 @@ class ModelRunner(SparseDecodeMixin):
         return mode == "on" or (self.device.type == "cuda" and self.cfg.drafter not in ("oracle", "ondemand"))
 
     def _pipeline_reserve(self) -> int:
-        """GPU bytes the pipeline's summary arena will take (one min and max per host block)."""
+        """GPU bytes the pipeline's summary arena will take (one min and max per host block),
+        and on a decode instance its mapped rows' (summaries of max_model_len and an item map
+        per row: set --max-num-seqs to what it decodes at once)."""
         if not self._use_pipeline():
             return 0
-        item = 2 * self.cfg.block_size * self.model_config.head_dim * self.dtype.itemsize
-        return int(self.cfg.host_kv_gb * 2**30) // item * item // self.cfg.block_size
+        mc = self.model_config
+        item = 2 * self.cfg.block_size * mc.head_dim * self.dtype.itemsize
+        reserve = int(self.cfg.host_kv_gb * 2**30) // item * item // self.cfg.block_size
+        if self.cfg.remote_kv_gb is not None:
+            per_block = mc.num_layers * self.num_kv_heads * (2 * mc.head_dim * self.dtype.itemsize + 4)
+            reserve += self.cfg.max_num_seqs * self.max_blocks_per_seq * per_block
+        return reserve
+
+    def _remote_items(self) -> PinnedOnUse | None:
+        """[N, 2, bs, D] of `remote_kv_gb` GiB, on CUDA pinned and mapped as it fills (the
+        pipeline's transfer reads it through UVA), or None when this is not a decode instance."""
+        gb = self.cfg.remote_kv_gb
+        if gb is None:
+            return None
+        shape = (int(gb * 2**30) // self.sparse.item_bytes, 2, self.block_size, self.head_dim)
+        return PinnedOnUse(shape, self.dtype, pin=self.device.type == "cuda")
 
     @property
     def kv_bytes_per_page(self) -> int:
@@ -116,6 +143,10 @@ class ModelRunner(SparseDecodeMixin):
             budget = self.cfg.kv_cache_gb * 2**30
         elif self.device.type == "cuda":
             budget = self._cuda_kv_budget() - self._pipeline_reserve()
+            if budget <= 0 and self.cfg.remote_kv_gb is not None:
+                raise ValueError("the pipeline's rows for disaggregated requests (summaries and an item map for "
+                                 "--max-num-seqs requests of --max-model-len) leave no GPU memory for the KV "
+                                 "cache: lower --max-num-seqs or --max-model-len")
         else:
             budget = CPU_DEFAULT_KV_GB * 2**30
         # Never more than every sequence at full length needs.

@@ -163,6 +163,8 @@ class SparseDecodeMixin:
         (token, next draft) on the device, their pinned host copy and the copy's event (None
         on CPU), as `launch_decode`; `read_pipeline_decode` takes the host values."""
         p, dev = self.pipeline, self.device
+        if p.remote is not None and self.sparse.remote is not None:  # a decode instance's rows
+            self.sparse.remote.before_pipeline_step(p, seqs)
         use_graph = dev.type == "cuda" and not self.cfg.enforce_eager
         n = p.num_rows
         bucket = next((b for b in self._graph_buckets() if b >= n), n) if use_graph else n
@@ -181,6 +183,8 @@ class SparseDecodeMixin:
         tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2], ids[:, 1])
         drafts = p.advance_drafts(self.sparse.cfg.drafter, rows, ids[:, 1], tokens, guesses)
         pairs = torch.stack([tokens, drafts], 1)
+        if p.remote is not None:  # its wanted blocks, covered by the read of the pairs below
+            p.remote.stage_wanted(bucket)
         # The host copy carries the step's clock stamps and counters after the pairs (`read_step`).
         return pairs, *to_host(torch.cat([pairs.flatten(), p.step_readout()]))
 
@@ -192,6 +196,8 @@ class SparseDecodeMixin:
         row's history on the device; the host's `ws.history` is not kept up for pipeline rows)."""
         drafter = self.sparse.cfg.drafter
         n = len(seqs)
+        if self.pipeline.remote is not None and self.sparse.remote is not None:
+            self.sparse.remote.after_pipeline_step(self.pipeline)
         step = self.pipeline.read_step(pairs[2 * n:])
         self.sparse.count_step(step)
         pairs = list(zip(pairs[0:2 * n:2], pairs[1:2 * n:2]))

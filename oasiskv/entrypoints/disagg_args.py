@@ -36,15 +36,18 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
                         "from its decode server")
 
 
-def role_config(config: EngineConfig, role: str) -> EngineConfig:
-    """A role server decodes sparse on the in-line path, one step at a time: a decode server's
-    path is the one that reads remote blocks, and a prefill server hands its requests over from
-    the in-line working set right after their conversion (they never decode there)."""
+def role_config(config: EngineConfig, role: str, strict: bool = False) -> EngineConfig:
+    """A role server decodes sparse, one step at a time (the host reads each step's wanted
+    blocks before the next). A decode server runs the batched pipeline where the engine would
+    (CUDA), and the in-line path with --rpf-strict (each layer waits for its reads) and on CPU;
+    a prefill server hands its requests over from the in-line working set right after their
+    conversion (they never decode there)."""
     if role == "both":
         return config
     if config.tensor_parallel_size != 1:
         raise ValueError("--role prefill|decode runs with --tensor-parallel-size 1")
-    return dataclasses.replace(config, sparse=True, sparse_pipeline="off", async_scheduling="off")
+    pipeline = config.sparse_pipeline if role == "decode" and not strict else "off"
+    return dataclasses.replace(config, sparse=True, sparse_pipeline=pipeline, async_scheduling="off")
 
 
 def make_transport(kind: str, host: str):
@@ -63,7 +66,7 @@ def make_engine(args: argparse.Namespace, config: EngineConfig, url: str):
     """The LLMEngine of the server's role."""
     from oasiskv.engine.llm_engine import LLMEngine
     role = getattr(args, "role", "both")
-    config = role_config(config, role)
+    config = role_config(config, role, getattr(args, "rpf_strict", False))
     if role == "both":
         return LLMEngine(config)
     transport = make_transport(args.kv_transport, "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host)

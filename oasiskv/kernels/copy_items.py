@@ -108,7 +108,8 @@ def fetch_admitted(host: torch.Tensor, kv_layer: torch.Tensor, layer: int, admit
 
     admit_blocks / admit_slots: [R * num_heads, C] (row r * num_heads + h; -1 unused); the
     item of block b of row r is host[extent_start[r] + (layer * extent_blocks[r] + b) * H + h]
-    (HostExtent's layout) and goes to slot pages[r, num_sink + slot] * H + h of `kv_layer`.
+    (HostExtent's layout) and goes to slot pages[r, num_sink + slot] * H + h of `kv_layer`;
+    rows with extent_blocks 0 have no host extent and are skipped (`copy_mapped` moves them).
     On CUDA the addresses are computed inside the copy kernel: one launch per layer.
     tma_stages > 0: the items cross through the SM's tensor-memory accelerator instead of its
     load units, that many deep (`_fetch_tma`)."""
@@ -124,7 +125,7 @@ def fetch_admitted(host: torch.Tensor, kv_layer: torch.Tensor, layer: int, admit
         return
     row = torch.arange(RH, device=admit_blocks.device)
     r, h = row // num_heads, row % num_heads
-    blocks = admit_blocks.long()
+    blocks = torch.where(extent_blocks[r, None] > 0, admit_blocks.long(), -1)
     src = torch.where(blocks >= 0, extent_start[r, None] + (layer * extent_blocks[r, None] + blocks)
                       * num_heads + h[:, None], -1)
     page = pages.long()[r[:, None], num_sink + admit_slots.long().clamp_min(0)]
@@ -138,7 +139,8 @@ def write_through(kv: torch.Tensor, host: torch.Tensor, completed: torch.Tensor,
     """Rows whose token completed a block copy that block, every layer and head, GPU -> host.
 
     kv: [L, num_slots, *item]; completed: [R] bool; window_slot: [R] the page of the block's
-    window position times num_heads (head 0's slot); block: [R] its logical block."""
+    window position times num_heads (head 0's slot); block: [R] its logical block. Rows with
+    extent_blocks 0 have no host extent and are skipped (`copy_mapped` moves them)."""
     L, num_slots = kv.shape[0], kv.shape[1]
     R = completed.shape[0]
     if kv.is_cuda and triton is not None:
@@ -150,7 +152,7 @@ def write_through(kv: torch.Tensor, host: torch.Tensor, completed: torch.Tensor,
         return
     layer = torch.arange(L, device=kv.device)[:, None, None]
     h = torch.arange(num_heads, device=kv.device)[None, None, :]
-    ok = completed[None, :, None].expand(L, R, num_heads)
+    ok = (completed & (extent_blocks > 0))[None, :, None].expand(L, R, num_heads)
     src = torch.where(ok, layer * num_slots + window_slot[None, :, None] + h, -1)
     dst = torch.where(ok, extent_start[None, :, None] + (layer * extent_blocks[None, :, None]
                       + block[None, :, None]) * num_heads + h, -1)
@@ -164,13 +166,13 @@ if triton is not None:
         """Entry w (a scalar or a vector) of a layer's transfer plan -> (host item, GPU slot,
         ok); the addresses of a skipped entry (-1, or w >= n) are meaningless."""
         blk = tl.load(blk_ptr + w, mask=w < n, other=-1).to(tl.int64)
-        ok = blk >= 0
-        slot = tl.load(slot_ptr + w, mask=ok, other=0)
         r = w // C // H
+        nblk = tl.load(ext_blocks_ptr + r, mask=blk >= 0, other=0)
+        ok = (blk >= 0) & (nblk > 0)  # a row without a host extent: `copy_mapped`'s
+        slot = tl.load(slot_ptr + w, mask=ok, other=0)
         h = (w // C % H).to(tl.int64)
         page = tl.load(pages_ptr + r * P + S + slot, mask=ok, other=0).to(tl.int64)
         start = tl.load(ext_start_ptr + r, mask=ok, other=0)
-        nblk = tl.load(ext_blocks_ptr + r, mask=ok, other=0)
         return start + (layer * nblk + blk) * H + h, page * H + h, ok
 
     @triton.jit
@@ -190,10 +192,10 @@ if triton is not None:
         # Row by row, and a row only if its token completed a block: most steps complete none,
         # so one load per row replaces a loop over every (layer, row, head) item.
         for r in range(tl.program_id(0), R, tl.num_programs(0)):
-            if tl.load(done_ptr + r) != 0:
+            nblk = tl.load(ext_blocks_ptr + r)
+            if (tl.load(done_ptr + r) != 0) & (nblk > 0):  # a row without a host extent: `copy_mapped`'s
                 wslot = tl.load(wslot_ptr + r).to(tl.int64)
                 start = tl.load(ext_start_ptr + r)
-                nblk = tl.load(ext_blocks_ptr + r)
                 blk = tl.load(block_ptr + r).to(tl.int64)
                 for j0 in range(0, L * H, ITEMS):
                     j = j0 + tl.arange(0, ITEMS)

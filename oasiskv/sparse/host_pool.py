@@ -13,6 +13,7 @@ when no free range fits, allocation evicts them, least recently used first.
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import weakref
 from dataclasses import dataclass, replace
@@ -90,18 +91,52 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = 
     with 125 GiB. So take ordinary memory (huge pages unless told not to) and register it with
     CUDA instead (unregistered when the tensor is freed)."""
     t = huge_page_empty(shape, dtype) if huge_pages else torch.empty(shape, dtype=dtype)
+    register_pinned(t, t)
+    return t
+
+
+def register_pinned(t: torch.Tensor, owner: torch.Tensor, flag: str = "--host-kv-gb") -> None:
+    """Page-lock the memory of `t` (a range of `owner`) and map it for the GPU, until `owner`
+    is freed. Memory another library registered already (a transport's) stays as it is."""
     nbytes = t.numel() * t.element_size()
     if nbytes:
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE | _REGISTER_MAPPED)
+        if int(err) == _ALREADY_REGISTERED:
+            return
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (error {int(err)}): "
-                               "lower --host-kv-gb")
-        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
-    return t
+                               f"lower {flag}")
+        weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
 
 
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2
+_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
+class PinnedOnUse:
+    """An arena `tensor` [N, *item] page-locked and mapped for the GPU a chunk at a time, as far
+    as it has been handed out (`pin_to`), so a large arena that fills from its low end (the
+    decode side's received items, `disagg.LocalItems`) commits only the memory it used. The
+    first chunk is pinned at once: a device view of the range needs its start registered."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+                 chunk_bytes: int = 256 << 20, page_bytes: int = HUGE_PAGE, flag: str = "--remote-kv-gb"):
+        self.tensor = huge_page_empty(shape, dtype)
+        item_bytes = max(1, self.tensor[0].numel() * self.tensor.element_size()) if shape[0] else 1
+        unit = page_bytes // math.gcd(item_bytes, page_bytes)  # items that end on a page boundary
+        self.chunk_items = max(1, chunk_bytes // item_bytes // unit) * unit  # no page in two chunks
+        self.pin, self.flag = pin, flag
+        self.pinned_items = 0
+        self.pin_to(1)
+
+    def pin_to(self, end: int) -> None:
+        """Items [0, end) are page-locked from now on."""
+        end = min(end, self.tensor.shape[0])
+        while self.pin and self.pinned_items < end:
+            stop = min(self.pinned_items + self.chunk_items, self.tensor.shape[0])
+            register_pinned(self.tensor[self.pinned_items:stop], self.tensor, self.flag)
+            self.pinned_items = stop
 
 
 class HostKVPool:

@@ -22,7 +22,9 @@ State, for up to R requests ("rows"), all on the device:
     resident, last [L, R*Hkv, K]   logical block of each dynamic slot, the step it was last
                             selected; rows r * Hkv + h
     kmin, kmax [L, NB, Hkv, D]     block summaries, row r's blocks from summary_offset[r]
-    host extent of each row (start item, max blocks) for the transfer's addresses
+    host extent of each row (start item, max blocks) for the transfer's addresses; a decode
+                            instance's disaggregated rows have none: their items are where
+                            `remote` (RemoteRows) maps them
     cached [R]              tokens in the cache before this step's token; active [R]
     history [R, 4096]       each row's newest tokens (right-aligned), for drafts chosen on the
                             device (`advance_drafts`)
@@ -45,6 +47,7 @@ from oasiskv.sparse.drafters import LOOKUP_WINDOW
 from oasiskv.sparse.fetch_budget import FetchBudget, measure_link, share_budget
 from oasiskv.sparse.step_clock import STAMPS, stamp
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
+from oasiskv.sparse.remote_rows import RemoteRows
 from oasiskv.sparse.step_tables import RowState, StepTables, WriteThrough, step_tables
 from oasiskv.sparse.summaries import summary_dtype
 
@@ -131,11 +134,13 @@ class LookaheadPipeline:
     def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, host: HostKVPool,
                  max_rows: int, max_blocks: int, summary_blocks: int, block_size: int, *,
                  background: bool | None = None, transfer_programs: int = TRANSFER_PROGRAMS,
-                 transfer_backend: str = "uva", transfer_priority: int = TRANSFER_PRIORITY):
+                 transfer_backend: str = "uva", transfer_priority: int = TRANSFER_PRIORITY,
+                 remote: RemoteRows | None = None):
         """kv: [L, num_slots, 2, block_size, D], the engine's page pool; max_blocks: blocks of
         the longest request (the width of the score buffer, fixed per graph); summary_blocks:
-        blocks of summaries to hold across all rows; background: run the stages on side streams
-        (default: on CUDA); transfer_priority: the transfer stream's (TRANSFER_PRIORITY)."""
+        blocks of summaries to hold across all rows (those of `remote`'s slots included);
+        background: run the stages on side streams (default: on CUDA); transfer_priority: the
+        transfer stream's (TRANSFER_PRIORITY); remote: a decode instance's mapped rows."""
         mc = model_config
         self.cfg, self.kv, self.host, self.bs = cfg, kv, host, block_size
         self.L, self.H, self.D, self.G = mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.group_size
@@ -153,6 +158,9 @@ class LookaheadPipeline:
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
         self.transfer_backend = transfer_backend
+        if remote is not None and transfer_backend != "uva":
+            raise ValueError("disaggregated rows move through the uva transfer backend only")
+        self.remote = remote
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
         self.attention_splits = WORKING_SET_SPLITS  # None: the kernel's choice
         self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
@@ -285,14 +293,19 @@ class LookaheadPipeline:
         return torch.cat([self.clock, self.step_totals])
 
     # ---- rows ----------------------------------------------------------------------
-    def bind(self, row: int, pages: list[int], extent: HostExtent, summary_offset: int) -> None:
-        """Give row `row` its working-set pages, host extent and summary range. The caller then
-        fills resident / summaries / host items (conversion) and sets cached and active."""
-        assert len(pages) == self.P and extent.num_kv_heads == self.H and extent.num_layers == self.L
+    def bind(self, row: int, pages: list[int], extent: HostExtent | None, summary_offset: int,
+             remote_slot: int = -1) -> None:
+        """Give row `row` its working-set pages, host extent and summary range (or, a
+        disaggregated row: no extent, its `remote` slot). The caller then fills resident /
+        summaries / host items (conversion) and sets cached and active."""
+        assert len(pages) == self.P and (extent is None) == (remote_slot >= 0)
+        assert extent is None or (extent.num_kv_heads == self.H and extent.num_layers == self.L)
         self.pages[row] = torch.tensor(pages, dtype=torch.int32)
-        self.extent_start[row] = extent.start
-        self.extent_blocks[row] = extent.max_blocks
+        self.extent_start[row] = 0 if extent is None else extent.start
+        self.extent_blocks[row] = 0 if extent is None else extent.max_blocks  # 0: the extent forms skip it
         self.summary_offset[row] = summary_offset
+        if self.remote is not None:
+            self.remote.set_row(row, remote_slot)
         rows = slice(row * self.H, (row + 1) * self.H)
         self.resident[:, rows] = -1
         self.last[:, rows] = -1
@@ -302,24 +315,27 @@ class LookaheadPipeline:
     def num_rows(self) -> int:
         return len(self.owners)
 
-    def adopt(self, ws, cached: int) -> None:
+    def adopt(self, ws, cached: int, remote_slot: int = -1) -> None:
         """Take a just-converted request (its WorkingSet as `SparseManager.convert` built it) into
         the next free row: its working set, LRU stamps and summaries move to the batched state.
         The summaries live in one arena addressed like the host pool: extents are whole
-        [layer][block][head] ranges, so start // (L * Hkv) is a free block range of its own."""
+        [layer][block][head] ranges, so start // (L * Hkv) is a free block range of its own. A
+        disaggregated request (no extent) comes with its `remote` slot, which owns a range past
+        the host pool's; the caller maps its items (`RemoteRows.set_map`)."""
         row = len(self.owners)
         if row >= self.R:
             raise RuntimeError(f"more than {self.R} sparse requests at once")
         self.flush_deferred()
         ext, S, K, H = ws.extent, self.S, self.K, self.H
-        offset = ext.start // (self.L * H)
-        self.bind(row, ws.pages, ext, offset)
+        offset = ext.start // (self.L * H) if remote_slot < 0 else self.remote.summary_offset(remote_slot)
+        self.bind(row, ws.pages, None if remote_slot >= 0 else ext, offset, remote_slot)
         rows = slice(row * H, (row + 1) * H)
         self.resident[:, rows] = ws.blocks[:, :, S:S + K].to(self.device)
         # Conversion stamped its blocks with the in-line path's step; restamp them with ours.
         self.last[:, rows] = torch.where(ws.last_selected.to(self.device) >= 0, self.step, -1).int()
-        self.kmin[:, offset:offset + ext.max_blocks] = ws.kmin
-        self.kmax[:, offset:offset + ext.max_blocks] = ws.kmax
+        nb = ws.kmin.shape[1]
+        self.kmin[:, offset:offset + nb] = ws.kmin
+        self.kmax[:, offset:offset + nb] = ws.kmax
         self.cached[row] = cached
         self.active[row] = False
         tail = torch.from_numpy(ws.history.tail(LOOKUP_WINDOW).copy())
@@ -332,10 +348,14 @@ class LookaheadPipeline:
 
     def release(self, ws) -> list[int]:
         """Free the request's row; the last used row moves into it, so used rows stay a prefix.
-        Returns the row's counters (hits, missed, admitted, evicted) summed over heads (a sync)."""
+        Returns the row's counters (hits, missed, admitted, evicted) summed over heads (a sync:
+        after it no kernel reads or writes the row's items, so a disaggregated row's may go)."""
         self.flush_deferred()  # plans are per row: land them before rows move
         row, last, H = ws.row, len(self.owners) - 1, self.H
         counts = self.stats[row * H:(row + 1) * H].sum(0).tolist()
+        if self.remote is not None and self.remote.row_slots[row] >= 0:
+            self.remote.free_slot(self.remote.row_slots[row])
+            self.remote.set_row(row, -1)
         if row != last:
             src, dst = slice(last * H, (last + 1) * H), slice(row * H, (row + 1) * H)
             for t in (self.resident, self.last):
@@ -344,6 +364,8 @@ class LookaheadPipeline:
             for t in (self.pages, self.summary_offset, self.extent_start, self.extent_blocks, self.cached,
                       self.history, self.history_len):
                 t[row] = t[last]
+            if self.remote is not None:
+                self.remote.move_row(last, row)
             moved = self.owners[last]
             moved.row = row
             self.owners[row] = moved
@@ -505,6 +527,9 @@ class LookaheadPipeline:
                      out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
                      block_tile=self.bounds_tiling[0], tiles_per_program=self.bounds_tiling[1],
                      stages=self.bounds_tiling[2])
+        if self.remote is not None:  # disaggregated rows: only local blocks may come in
+            self.remote.mask(layer, self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H],
+                             self.active)
 
     def select(self, layer: int) -> None:
         """Capped eviction; under a transfer budget, first what each row would admit, then each
@@ -532,6 +557,10 @@ class LookaheadPipeline:
                        self.admit_slots[layer, :B * H], self.pages[:B], self.extent_start[:B],
                        self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items,
                        self.transfer_warps, self.transfer_tma_stages)
+        if self.remote is not None:
+            self.remote.fetch(self.kv[layer], layer, self.admit_blocks[layer, :B * H],
+                              self.admit_slots[layer, :B * H], self.pages[:B], self.S, self.transfer_programs,
+                              self.transfer_items, self.transfer_warps)
 
     def write_through(self, wt: WriteThrough | None = None) -> None:
         """The blocks a step completed (this step's, or `wt`: the last step's), GPU -> host."""
@@ -539,6 +568,8 @@ class LookaheadPipeline:
         completes, window_slot, block = wt if wt is not None else (self.completes, self.window_slot, self.block)
         write_through(self.kv, self.host_items, completes[:B], window_slot[:B], self.extent_start[:B],
                       self.extent_blocks[:B], block[:B], self.H, self.transfer_programs)
+        if self.remote is not None:
+            self.remote.write_through(self.kv, completes[:B], window_slot[:B], block[:B], self.transfer_programs)
 
     def transfer_on_host(self) -> None:
         """Backend "dma" (CPU gather into pinned staging, then one copy on the copy
