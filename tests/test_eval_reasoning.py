@@ -4,7 +4,7 @@ import json
 
 from oasiskv.entrypoints.cli import main as cli_main
 from oasiskv.eval.reasoning import first_difference, parse_answer
-from oasiskv.eval.reasoning_problems import PROBLEMS, collatz_steps, recurrence
+from oasiskv.eval.reasoning_problems import EASY_PROBLEMS, PROBLEMS, collatz_steps, recurrence
 
 
 def test_problems_have_their_worked_answers():
@@ -17,10 +17,19 @@ def test_problems_have_their_worked_answers():
     assert all(p.prompt.endswith("`Answer: N`, N the number.") for p in PROBLEMS)
 
 
+def test_easy_set_answers():
+    answers = {p.name: p.answer for p in EASY_PROBLEMS}
+    assert len(answers) == len(EASY_PROBLEMS) == 12
+    assert answers["eggs"] == 37 and answers["sum-range"] == 10 and answers["if-else"] == 15
+
+
 def test_answer_and_first_difference():
     assert parse_answer("so 17.\nAnswer: 42\nAnswer: 7") == 42
     assert parse_answer("Answer: **-3**") == -3
-    assert parse_answer("The answer is 5") is None
+    assert parse_answer("Answer: \\(\\boxed{37}\\)") == 37
+    assert parse_answer("so 42 - 5 = 37, the total is \\(\\boxed{37}\\). 1 more") == 37
+    assert parse_answer("42 - 5 = 37. The answer is `N`.") == 37
+    assert parse_answer("no number at all") is None
     assert first_difference([1, 2, 3], [1, 2, 4]) == 2
     assert first_difference([1, 2], [1, 2, 3]) == 2
 

@@ -14,11 +14,15 @@ import json
 import re
 from dataclasses import asdict, replace
 
-ANSWER = re.compile(r"Answer:\s*\**\s*(-?\d+)")
+ANSWER = re.compile(r"Answer:\s*\**\s*(?:\\\(\s*)?(?:\\boxed\{)?(-?\d+)")
+BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
+NUMBER = re.compile(r"-?\d+")
 
 
 def add_reasoning_args(p) -> None:
     p.add_argument("--max-tokens", type=int, default=2048, help="generated tokens at most per problem")
+    p.add_argument("--set", dest="problem_set", choices=("hard", "easy"), default="hard",
+                   help="the problem set (reasoning_problems.py): hard, or easy where a small model gets some right")
     p.add_argument("--problems", type=int, default=None, help="the first N problems only (default: all)")
     p.add_argument("--drafters", nargs="+", default=["self"],
                    help="sparse runs to compare with dense: DRAFTER[:FIELD=VALUE,...] (as eval passkey)")
@@ -26,9 +30,16 @@ def add_reasoning_args(p) -> None:
 
 
 def parse_answer(text: str) -> int | None:
-    """The number after the first `Answer:`, or None."""
+    """The number after the first `Answer:`; without one (small models often end otherwise), the
+    last `\\boxed{N}`, else the last number of the text; None if there is none."""
     m = ANSWER.search(text)
-    return int(m.group(1)) if m else None
+    if m:
+        return int(m.group(1))
+    for pattern in (BOXED, NUMBER):
+        found = pattern.findall(text)
+        if found:
+            return int(found[-1])
+    return None
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -51,12 +62,12 @@ def run_reasoning(args) -> int:
     from oasiskv.entrypoints.args import engine_config
     from oasiskv.entrypoints.llm import LLM
     from oasiskv.eval.passkey import run_config
-    from oasiskv.eval.reasoning_problems import PROBLEMS
+    from oasiskv.eval.reasoning_problems import SETS
 
-    problems = PROBLEMS[:args.problems] if args.problems else PROBLEMS
+    problems = SETS[args.problem_set][:args.problems] if args.problems else SETS[args.problem_set]
     base = engine_config(args)
     base = replace(base, max_model_len=base.max_model_len or args.max_tokens + 512)
-    results = {"max_tokens": args.max_tokens, "problems": [asdict(p) for p in problems], "runs": {}}
+    results = {"set": args.problem_set, "max_tokens": args.max_tokens, "problems": [asdict(p) for p in problems], "runs": {}}
     dense = None
     for spec in ["dense"] + list(args.drafters):
         cfg = run_config(base, spec)

@@ -1,7 +1,11 @@
 """Checkable multi-step problems with short prompts and long worked answers: each asks the model
 to write every step and end with `Answer: N`, so a free run goes on for hundreds to a couple of
 thousand tokens after a prompt of about a hundred. The right answers are computed here, by
-running the arithmetic or the program itself."""
+running the arithmetic or the program itself.
+
+Two sets: `hard` (Collatz counts, modular recurrences, loop-heavy programs: many steps, beyond a
+0.5B model) and `easy` (word problems of two or three operations, programs of a few lines), where
+a small model gets some right, so that dense and sparse task accuracy can differ."""
 from __future__ import annotations
 
 import contextlib
@@ -72,3 +76,28 @@ _KINDS = (
     [program_output(name, source) for name, source in PROGRAMS.items()])
 # The kinds interleaved, so that the first N (--problems N) mix them.
 PROBLEMS: list[Problem] = [p for i in range(max(map(len, _KINDS))) for kind in _KINDS for p in kind[i:i + 1]]
+
+
+SHORT_PROGRAMS = {
+    "mul-sub": "x = 4\nx = x * 3\nx = x - 5\nprint(x)\n",
+    "sum-range": "total = 0\nfor i in range(5):\n    total += i\nprint(total)\n",
+    "max-min": "xs = [3, 1, 4, 1, 5]\nprint(max(xs) + min(xs))\n",
+    "len-twice": "s = 'hello'\nprint(len(s) * 2)\n",
+    "doubling": "n = 1\nfor _ in range(4):\n    n = n * 2\nprint(n)\n",
+    "if-else": "a = 7\nif a > 5:\n    a = a - 2\nelse:\n    a = a + 2\nprint(a * 3)\n",
+}
+_EASY_KINDS = (
+    [Problem("marbles", "Tom has 12 marbles. He gives 5 to Ann, then finds 9 more. How many marbles "
+             "does Tom have now?", 12 - 5 + 9),
+     Problem("eggs", "A box holds 6 rows of 7 eggs. 5 eggs break. How many eggs are left?", 6 * 7 - 5),
+     Problem("train", "A train goes 60 km each hour for 3 hours, then 40 km in the next hour. How many "
+             "km does it go in all?", 60 * 3 + 40),
+     Problem("pages", "Sara reads 8 pages a day for 7 days, then 10 pages on the eighth day. How many "
+             "pages does she read in all?", 8 * 7 + 10),
+     Problem("candies", "There are 4 bags with 9 candies each. 11 candies are eaten. How many candies "
+             "are left?", 4 * 9 - 11),
+     Problem("perimeter", "A rectangle is 8 cm long and 5 cm wide. What is its perimeter in cm?",
+             2 * (8 + 5))],
+    [program_output(name, source) for name, source in SHORT_PROGRAMS.items()])
+EASY_PROBLEMS: list[Problem] = [p for i in range(6) for kind in _EASY_KINDS for p in kind[i:i + 1]]
+SETS = {"hard": PROBLEMS, "easy": EASY_PROBLEMS}
