@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.config import EngineConfig
 from oasiskv.disagg.admission import Admission, admit_rpf, full_admission, held_positions
+from oasiskv.disagg.decode_engine import DecodeEngine
 from oasiskv.disagg.decode_side import RemoteSource, admit, fail_requests
 from oasiskv.disagg.full_transfer import FullTransfer, plan_reads
 from oasiskv.disagg.leases import LeaseTable
@@ -29,6 +31,7 @@ from oasiskv.disagg.transport import TransportError
 PROMPT_TOKENS, TOP_K, NEW_TOKENS = 4000, 32, 8
 CONFIG = dict(max_model_len=4200, sparse=True, top_k_blocks=TOP_K, sparse_threshold=2048, host_kv_gb=0.5)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+TWO_TOKENS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +279,59 @@ def test_lazy_reads_and_a_prefill_peer_that_dies(prefill, decode):
     print(f"lazy: {reads.totals.reads} reads over {NEW_TOKENS - 1} steps ({reads.totals.bytes_read} B), "
           f"decode-side host peak {peak} B for two requests (full {kv.numel() * kv.element_size()} B each); "
           f"the dead peer's request failed {failed_steps} steps ({failed_after:.2f} s) after")
+
+
+class Leases:
+    """The decode engine's lease heartbeats, recorded (no prefill server runs here)."""
+
+    def __init__(self):
+        self.holding: set[str] = set()
+
+    def hold(self, url, request_id, ttl_s):
+        self.holding.add(url)
+
+    def release(self, url, request_id):
+        self.holding.discard(url)
+
+    def lost(self):
+        return []
+
+    def held(self):
+        return len(self.holding)
+
+    def close(self):
+        pass
+
+
+def test_decode_engine_fails_only_the_full_admission_whose_peer_dies(prefill):
+    """The decode role's engine admits two full admissions, each from its own peer (prefill url:
+    its name here); the first
+    peer dies after the first reads: that request ends with an error output, the other decodes
+    the colocated tokens, the leases are released and the arena drains."""
+    engine = DecodeEngine(EngineConfig(**CONFIG), SocketTransport(), remote_kv_gb=0.4, max_read_bytes=4 << 20)
+    engine.heartbeats.close()
+    engine.heartbeats = Leases()
+    doomed = SocketTransport()
+    doomed.register(prefill["engine"].runner.sparse.host.items)
+    doomed.serve()
+    try:
+        for rid, owner in (("dies", doomed), ("lives", prefill["owner"])):
+            adm = Admission.from_bytes(prefill["full"].to_bytes())
+            adm.peer_metadata = owner.metadata().decode()
+            engine.expect_admission(rid, adm, f"http://{rid}", 1000)
+            engine.add_request(adm.prompt_token_ids, TWO_TOKENS, request_id=rid)
+        assert engine.heartbeats.holding == {"http://dies", "http://lives"}  # held while their KV is read
+        doomed.close()
+        outs = {}
+        while engine.has_unfinished():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert outs["dies"].finish_reason == "error" and "prefill" in outs["dies"].error
+        assert outs["lives"].token_ids == prefill["colocated"][:2]
+        kv = prompt_kv(prefill)
+        stats = engine.disagg_stats()
+        assert stats["admission_transport_bytes"] == kv.numel() * kv.element_size()
+        assert stats["admission_bytes"] == 2000 + stats["admission_transport_bytes"] and stats["remote_bytes"] == 0
+        assert stats["failed_requests"] == 1
+        assert engine.heartbeats.holding == set() and engine.store.bytes_used == 0
+    finally:
+        engine.close()

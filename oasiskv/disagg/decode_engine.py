@@ -34,7 +34,6 @@ from oasiskv.disagg.local_items import LocalItems
 from oasiskv.disagg.remote_reads import RemoteReads
 from oasiskv.disagg.transport import DEFAULT_READ_TIMEOUT_S, PeerDisconnected, Transport, TransportError
 from oasiskv.engine.llm_engine import LLMEngine, RequestOutput
-from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -72,6 +71,7 @@ class DecodeEngine(LLMEngine):
         # admission_transport_bytes: those reads alone.
         self.totals = {"admissions": 0, "admission_bytes": 0, "admission_transport_bytes": 0}
         self.lease_failures = 0  # requests failed because their lease ended
+        self.transfer_failures = 0  # full admissions failed because a read of their KV failed
 
     # ---- intake ---------------------------------------------------------------------------
     def expect_admission(self, request_id: str, adm: Admission, url: str, nbytes: int) -> None:
@@ -143,6 +143,7 @@ class DecodeEngine(LLMEngine):
                     transfer = self._advance_transfer(adm, rid, peer, params)
                 except TransportError as e:  # only this request fails; its items went back
                     self._transfers.pop(rid, None)
+                    self.transfer_failures += 1
                     self._ready.append(self._failed_output(rid, adm, params, f"{PREFILL_FAILED}: {e}"))
                     continue
                 if transfer is None or not transfer.done:
@@ -191,10 +192,7 @@ class DecodeEngine(LLMEngine):
 
     def _failed_output(self, rid: str, adm: Admission, params: SamplingParams, error: str) -> RequestOutput:
         """The error output of a request that failed before it started (it holds nothing)."""
-        seq = Sequence(rid, list(adm.prompt_token_ids), params, status=SequenceStatus.FINISHED,
-                       finish_reason="error", finish_time=time.perf_counter())
-        seq.error = error
-        return self.make_output(seq)
+        return RequestOutput(rid, None, list(adm.prompt_token_ids), "", [], "error", True, error=error)
 
     # ---- the loop -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -273,7 +271,8 @@ class DecodeEngine(LLMEngine):
                 "remote_reads": self.reads.totals.reads, "reads_in_flight": self.reads.reads_in_flight + sum(len(t.pending) for t in self._transfers.values()),
                 "leases_held": self.heartbeats.held(), "host_bytes_used": self.store.bytes_used,
                 "host_bytes_total": self.store.num_items * self.store.item_bytes,
-                "failed_requests": self.reads.totals.failed_requests + self.lease_failures}
+                "failed_requests": self.reads.totals.failed_requests + self.lease_failures
+                                   + self.transfer_failures}
 
     def close(self) -> None:
         self.heartbeats.close()
