@@ -268,7 +268,9 @@ class DecodeEngine(LLMEngine):
         return {"role": "decode", "admission_bytes": self.totals["admission_bytes"],
                 "admission_transport_bytes": self.totals["admission_transport_bytes"],
                 "admissions": self.totals["admissions"], "remote_bytes": self.reads.totals.bytes_read,
-                "remote_reads": self.reads.totals.reads, "reads_in_flight": self.reads.reads_in_flight + sum(len(t.pending) for t in self._transfers.values()),
+                "remote_reads": self.reads.totals.reads,
+                "reads_in_flight": self.reads.reads_in_flight
+                + sum(len(t.pending) for t in list(self._transfers.values())),
                 "leases_held": self.heartbeats.held(), "host_bytes_used": self.store.bytes_used,
                 "host_bytes_total": self.store.num_items * self.store.item_bytes,
                 "failed_requests": self.reads.totals.failed_requests + self.lease_failures
