@@ -18,7 +18,7 @@
 # EXTRA: more flags for both servers (e.g. --max-num-seqs 16: fewer captured steps).
 # Memory: at 32K tokens one qwen3-8b request's KV is 4.6 GiB. The prefill's host pool holds every
 # RPF request's KV until its decode ends (PREFILL_HOST_GB, default PROMPTS x 4.7 + 2 for rpf, 24 for
-# full); the decode side's arena (DECODE_REMOTE_GB) is touched and pinned only as blocks arrive. 16 prompts in
+# full, which holds a request's KV only until the decode side has read it); the decode side's arena (DECODE_REMOTE_GB) is touched and pinned only as blocks arrive. 16 prompts in
 # rpf need about 80 GiB of pinned host memory on the prefill side: the 1-GPU host has 125 GiB.
 # `CASES=... bash scripts/gpu_bench_disagg.sh smoke` runs on CPU at tiny sizes (the default model).
 set -u

@@ -50,7 +50,7 @@ def hand_over_one() -> dict:
     seq = engine.seqs[rid]
     while seq.sparse is None:
         engine.step()
-    full = full_admission(rid, seq, sparse.host.extent_items(seq.host_extent), sparse.step)
+    full = full_admission(rid, seq, sparse.block_size, sparse.step)
     leases = LeaseTable(sparse.host.free)
     rpf = hand_over(sparse, seq, leases, "decode-0")
     engine.abort(rid)
@@ -115,7 +115,8 @@ def test_full_admission_pipeline_equals_in_line(prefill, deferred):
     tokens = {}
     for pipeline in (False, True):
         engine, reads = decode_engine(pipeline, deferred)
-        out = run(engine, reads, [("full", prefill["full"], "")])["full"]
+        peer = reads.transport.add_peer(prefill["owner"].metadata())
+        out = run(engine, reads, [("full", prefill["full"], peer)])["full"]
         assert out.finish_reason == "length" and reads.totals.reads == 0
         tokens[pipeline] = out.token_ids
         reads.transport.close()

@@ -4,8 +4,10 @@ K = 32; on the socket transport, then the faults again on NIXL (skipped where it
 
 - Strict RPF through the proxy decodes the greedy tokens of colocated sparse decode (the same
   request sent to the decode server without transfer parameters: it converts after its prefill).
-- RPF's admission is at most a quarter of full transfer's, and the decode side's host memory for
-  the request (`oasiskv:disagg_request_host_bytes`) is smaller; both pools go back to zero.
+- Full transfer reads the whole KV over the transport at admission (its admission bytes count
+  those reads) and decodes the same tokens. RPF's admission is at most a quarter of full
+  transfer's, and the decode side's host memory for the request
+  (`oasiskv:disagg_request_host_bytes`) is smaller; both pools go back to zero.
 - The prefill server killed mid-decode: the client's stream ends with an error event within 5 s;
   the decode server frees the request and serves the next one.
 One set of servers per transport; the kill comes last."""
@@ -82,6 +84,7 @@ def decode_figures(url: dict, finished: int) -> dict:
             break
         time.sleep(0.1)
     return {"admission": m["oasiskv:disagg_admission_bytes_total"],
+            "transport": m["oasiskv:disagg_admission_transport_bytes_total"],
             "host": m["oasiskv:disagg_request_host_bytes_sum"], "remote": m["oasiskv:disagg_remote_read_bytes_total"]}
 
 
@@ -129,10 +132,15 @@ def test_rpf_admission_and_decode_host_memory_below_full(runs):
     print(f"admission bytes: rpf {rpf['admission']:.0f} full {full['admission']:.0f} "
           f"({rpf['admission'] / full['admission']:.3f}); decode-side host bytes of the request: rpf "
           f"{rpf['host']:.0f} full {full['host']:.0f} ({rpf['host'] / full['host']:.3f}); remote reads: rpf "
-          f"{rpf['remote']:.0f} B, full {full['remote']:.0f} B")
+          f"{rpf['remote']:.0f} B, full {full['remote']:.0f} B; full's admission read over the transport: "
+          f"{full['transport']:.0f} B")
     assert 0 < rpf["admission"] <= full["admission"] / 4
     assert 0 < rpf["host"] < full["host"]
     assert rpf["remote"] > 0 and full["remote"] == 0
+    # full's KV crossed over the transport at admission (as much as its host memory holds of the
+    # prompt); its admission body is small
+    assert rpf["transport"] == 0 and 0 < full["transport"] <= full["host"]
+    assert full["admission"] - full["transport"] <= rpf["admission"]
     assert runs["drained_rpf"] == (0, 0, 0) and runs["drained_full"] == (0, 0, 0)
 
 

@@ -5,8 +5,10 @@ RPF (Remote Partial Fetching): the block summaries of every layer, the first ste
 (the KV of every block the request's working set holds, per (layer, KV head): sinks, top-K,
 window), the draft chain's state, the prefill's first token, and where the rest lives (the
 prefill peer's transport metadata and the request's extent there). Everything else is read on
-demand (`remote_reads`). `full` mode (what vLLM's and SGLang's connectors do) sends the whole
-KV instead and no remote read ever happens; the summaries are rebuilt from it.
+demand (`remote_reads`). `full` mode (what vLLM's and SGLang's connectors do) carries where the
+KV lives and the working set's choice but no KV: the decode side reads every block over the
+transport before the request's first step (`full_transfer`), builds the summaries from the keys,
+and never reads again.
 
 On the wire: one safetensors blob, the tensors as tensors and the rest as JSON in its metadata
 (no pickle: the decode side loads what a peer sent).
@@ -49,7 +51,7 @@ class Admission:
     #      "last_selected" [L, Hkv, K] int64, "kmin"/"kmax" [L, nb, Hkv, D] (summary dtype),
     #      "items" [n, 2, bs, D]: the KV of every held (layer, head, position), in the order of
     #      `held_positions(blocks)`.
-    # full: "kv" [L, nb, Hkv, 2, bs, D], "blocks", "last_selected".
+    # full: "blocks", "last_selected" (the KV is read over the transport: `full_transfer`).
 
     @property
     def num_blocks(self) -> int:
@@ -103,19 +105,15 @@ def rpf_admission(request_id: str, seq, ws, kv: torch.Tensor, num_kv_heads: int,
                      tensors=tensors)
 
 
-def full_admission(request_id: str, seq, host_items: torch.Tensor, step: int) -> Admission:
-    """The full-transfer admission: every block's KV, as the host extent holds it
-    (`HostKVPool.extent_items`, [L, max_blocks, Hkv, 2, bs, D]), and the working set's block
-    choice (a few KiB), so the decode side starts from the same working set as RPF; the decode
-    side builds the summaries from the keys."""
-    bs = host_items.shape[4]
-    n = seq.num_cached_tokens
-    nb = -(-n // bs)
-    ws = seq.sparse
-    tensors = {"kv": host_items[:, :nb].clone(), "blocks": ws.blocks.clone(),
-               "last_selected": ws.last_selected.clone()}
-    return Admission(request_id, "full", list(seq.prompt_token_ids), seq.last_token_id, n, bs, ws.draft,
-                     step, tensors=tensors)
+def full_admission(request_id: str, seq, block_size: int, step: int) -> Admission:
+    """The full-transfer admission: where the request's KV lives (its host extent, which the
+    decode side reads whole before its first step) and the working set's block choice (a few
+    KiB), so the decode side starts from the same working set as RPF."""
+    ws, extent = seq.sparse, seq.host_extent
+    tensors = {"blocks": ws.blocks.clone(), "last_selected": ws.last_selected.clone()}
+    return Admission(request_id, "full", list(seq.prompt_token_ids), seq.last_token_id, seq.num_cached_tokens,
+                     block_size, ws.draft, step,
+                     remote_start=extent.start, remote_stride=extent.max_blocks, tensors=tensors)
 
 
 @dataclass
@@ -130,28 +128,29 @@ class AdmittedState:
     items: torch.Tensor  # [n, 2, bs, D] the working set's KV, in `held_positions` order
 
 
-def admit_full(adm: Admission, reads: RemoteReads, max_blocks: int,
-               summary_dtype: torch.dtype) -> AdmittedState | None:
-    """Place a full admission on the decode side: every block's items local (nothing is ever
-    read remotely), the summaries built from its keys as the conversion builds them."""
-    t = adm.tensors
-    kv, blocks = t["kv"], t["blocks"]
-    L, nb, H, _, bs, D = kv.shape
-    remote = RemoteRequest.new(adm.request_id, "", 0, 0, 0, L, max_blocks, H)
-    local = reads.place(remote, np.arange(L)[:, None, None], np.arange(nb)[None, :, None],
-                        np.arange(H)[None, None, :])
-    if local is None:
-        return None
-    reads.store.items[torch.from_numpy(local.reshape(-1))] = kv.reshape(-1, 2, bs, D)
-    reads.admit(remote)
+def admit_full(adm: Admission, remote: RemoteRequest, reads: RemoteReads,
+               summary_dtype: torch.dtype) -> AdmittedState:
+    """Place a full admission whose blocks `full_transfer` has read into `remote`'s local items
+    (nothing is read later): the summaries built from its keys as the conversion builds them,
+    the working set's items taken from the local copy."""
+    if adm.mode != "full":
+        raise ValueError("admit_full takes a full admission")
+    blocks = adm.tensors["blocks"]
+    L, max_blocks, H = remote.where.shape
+    nb, bs = adm.num_blocks, adm.block_size
+    items = reads.store.items
+    D = items.shape[-1]
+    where = torch.from_numpy(remote.where[:, :nb])
+    if (where < 0).any():
+        raise ValueError("a full admission's blocks are not all local")
     kmin = torch.empty((L, max_blocks, H, D), dtype=summary_dtype)
     kmax = torch.empty_like(kmin)
-    for layer in range(L):
-        keys = kv[layer, :, :, 0].transpose(1, 2).reshape(nb * bs, H, D)[:adm.num_cached]
-        write_block_minmax(kmin[layer], kmax[layer], keys, bs)
+    for layer in range(L):  # one layer's keys at a time: [nb, H, bs, D] -> tokens [n, H, D]
+        keys = items[where[layer].reshape(-1), 0].view(nb, H, bs, D).transpose(1, 2).reshape(nb * bs, H, D)
+        write_block_minmax(kmin[layer], kmax[layer], keys[:adm.num_cached], bs)
     layer, head, pos = held_positions(blocks)
-    items = kv[layer, blocks[layer, head, pos].long(), head]
-    return AdmittedState(remote, blocks.clone(), t["last_selected"].clone(), kmin, kmax, items)
+    held = items[where[layer, blocks[layer, head, pos].long(), head]]
+    return AdmittedState(remote, blocks.clone(), adm.tensors["last_selected"].clone(), kmin, kmax, held)
 
 
 def admit_rpf(adm: Admission, reads: RemoteReads, peer: str, max_blocks: int) -> AdmittedState | None:

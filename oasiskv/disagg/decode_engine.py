@@ -9,9 +9,13 @@ request without them is served as usual (colocated). One host arena (`LocalItems
 of every admitted request. On CUDA the requests decode batched through the pipeline (its
 disaggregated rows, `RemoteRows`); with --rpf-strict and on CPU, on the in-line path.
 
+A `full` admission carries no KV: the request waits while its whole KV is read over the
+transport (`FullTransfer`, advanced between steps, so running requests keep decoding), then
+starts as an RPF request would, with every block local.
+
 Lifetimes: the prefill's lease on a request is renewed by `LeaseHeartbeats` while the request
-runs and released when it finishes or is aborted (`full` admissions at once: they need nothing
-more from the prefill). A failed read, or a peer that stops answering heartbeats, fails the
+runs and released when it finishes or is aborted (`full` admissions once their transfer is
+done: they need nothing more from the prefill). A failed read, or a peer that stops answering heartbeats, fails the
 peer's requests with an error output (`PREFILL_FAILED`) and drops the peer; their pages and items
 go back.
 """
@@ -23,23 +27,24 @@ import uuid
 
 from oasiskv.config import EngineConfig
 from oasiskv.disagg.admission import Admission
-from oasiskv.disagg.decode_side import PREFILL_FAILED, RemoteSource, admit, fail_requests
+from oasiskv.disagg.decode_side import PREFILL_FAILED, RemoteSource, admit, fail_requests, request_max_blocks
+from oasiskv.disagg.full_transfer import DEFAULT_MAX_READ_BYTES, FullTransfer
 from oasiskv.disagg.heartbeats import LeaseHeartbeats
 from oasiskv.disagg.local_items import LocalItems
 from oasiskv.disagg.remote_reads import RemoteReads
-from oasiskv.disagg.transport import DEFAULT_READ_TIMEOUT_S, PeerDisconnected, Transport
+from oasiskv.disagg.transport import DEFAULT_READ_TIMEOUT_S, PeerDisconnected, Transport, TransportError
 from oasiskv.engine.llm_engine import LLMEngine, RequestOutput
-from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.sampling_params import SamplingParams
 
 
 class DecodeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, transport: Transport, remote_kv_gb: float | None = None,
                  strict: bool = False, link_gbps: float | None = None,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
         """remote_kv_gb: the arena for admitted requests' items (default: --host-kv-gb);
         link_gbps: the remote reads' byte budget per step is what this link carries during
-        the previous decode step (None: no budget)."""
+        the previous decode step (None: no budget); max_read_bytes: the size of a full
+        transfer's reads."""
         if not config.sparse:
             raise ValueError("the decode role needs sparse decode (--sparse)")
         gb = remote_kv_gb if remote_kv_gb is not None else config.host_kv_gb
@@ -51,6 +56,8 @@ class DecodeEngine(LLMEngine):
         self.reads = RemoteReads(transport, self.store, read_timeout_s)
         m.remote = RemoteSource(self.reads, m.L, strict=strict)
         self.link_bytes_per_s = None if link_gbps is None else link_gbps * 1e9 / 8
+        self.max_read_bytes = max_read_bytes
+        self._transfers: dict[str, FullTransfer] = {}  # request id -> its full transfer, until admitted
         self.name = f"decode-{uuid.uuid4().hex[:12]}"
         self.heartbeats = LeaseHeartbeats(self.name)
         self._incoming: dict[str, tuple[Admission, str]] = {}  # request id -> (admission, prefill url)
@@ -60,8 +67,11 @@ class DecodeEngine(LLMEngine):
         self.tracked: dict[str, tuple[str, str]] = {}  # request id -> (prefill url, its id there)
         self._ready: list[RequestOutput] = []  # requests finished at admission
         self._last_step_s = 0.0
-        self.totals = {"admissions": 0, "admission_bytes": 0}
+        # admission_bytes: the admissions' HTTP bodies and the full transfers' reads;
+        # admission_transport_bytes: those reads alone.
+        self.totals = {"admissions": 0, "admission_bytes": 0, "admission_transport_bytes": 0}
         self.lease_failures = 0  # requests failed because their lease ended
+        self.transfer_failures = 0  # full admissions failed because a read of their KV failed
 
     # ---- intake ---------------------------------------------------------------------------
     def expect_admission(self, request_id: str, adm: Admission, url: str, nbytes: int) -> None:
@@ -86,17 +96,13 @@ class DecodeEngine(LLMEngine):
             self._check(adm, self.tokenize(prompt), params)
             if request_id in self.seqs:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            if adm.mode == "rpf":
-                self._peer_of(adm.peer_metadata, url)  # a prefill that cannot be reached fails it now
+            self._peer_of(adm.peer_metadata, url)  # a prefill that cannot be reached fails it now
         except Exception:
             self.heartbeats.release(url, prefill_id)  # its lease, claimed by the fetch, goes at once
             raise
         adm.request_id = request_id
-        if adm.mode == "rpf":
-            self.tracked[request_id] = (url, prefill_id)
-            self.heartbeats.hold(url, prefill_id, adm.lease_ttl_s)
-        else:  # the whole KV came with the admission: nothing more is read from the prefill
-            self.heartbeats.release(url, prefill_id)
+        self.tracked[request_id] = (url, prefill_id)  # full: until its transfer is done
+        self.heartbeats.hold(url, prefill_id, adm.lease_ttl_s)
         self.totals["admissions"] += 1
         self._waiting.append((adm, url, request_id, params))
         self._admit_waiting()
@@ -130,11 +136,28 @@ class DecodeEngine(LLMEngine):
     def _admit_waiting(self) -> None:
         still = []
         for adm, url, rid, params in self._waiting:
-            peer = self._peer_urls.get(url, "") if adm.mode == "rpf" else ""
-            seq = admit(self, adm, peer, params)
+            peer = self._peer_urls.get(url, "")
+            transfer = None
+            if adm.mode == "full":
+                try:
+                    transfer = self._advance_transfer(adm, rid, peer, params)
+                except TransportError as e:  # only this request fails; its items went back
+                    self._transfers.pop(rid, None)
+                    self.transfer_failures += 1
+                    self._ready.append(self._failed_output(rid, adm, params, f"{PREFILL_FAILED}: {e}"))
+                    continue
+                if transfer is None or not transfer.done:
+                    still.append((adm, url, rid, params))
+                    continue
+            seq = admit(self, adm, peer, params, transfer)
             if seq is None:
                 still.append((adm, url, rid, params))
                 continue
+            if transfer is not None:  # the whole KV is here: the prefill's lease goes at once
+                del self._transfers[rid]
+                self.totals["admission_bytes"] += transfer.bytes_read
+                self.totals["admission_transport_bytes"] += transfer.bytes_read
+                self.heartbeats.release(*self.tracked.pop(rid))
             now = time.perf_counter()
             seq.first_scheduled_time = seq.first_token_time = now
             if params.logprobs is not None:  # the first token's, as the prefill sampled it
@@ -148,6 +171,28 @@ class DecodeEngine(LLMEngine):
                 self.seqs.pop(rid, None)
                 self._ready.append(self.make_output(seq))
         self._waiting = still
+
+    def _advance_transfer(self, adm: Admission, rid: str, peer: str,
+                          params: SamplingParams) -> FullTransfer | None:
+        """The full admission's transfer, started (None: no room in the arena yet) and advanced."""
+        transfer = self._transfers.get(rid)
+        if transfer is None:
+            transfer = FullTransfer.start(self.reads, adm, peer, request_max_blocks(self, adm, params),
+                                          self.max_read_bytes)
+            if transfer is None:
+                return None
+            self._transfers[rid] = transfer
+        transfer.advance()
+        return transfer
+
+    def _drop_transfer(self, rid: str) -> None:
+        transfer = self._transfers.pop(rid, None)
+        if transfer is not None:
+            transfer.abandon()
+
+    def _failed_output(self, rid: str, adm: Admission, params: SamplingParams, error: str) -> RequestOutput:
+        """The error output of a request that failed before it started (it holds nothing)."""
+        return RequestOutput(rid, None, list(adm.prompt_token_ids), "", [], "error", True, error=error)
 
     # ---- the loop -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -171,7 +216,8 @@ class DecodeEngine(LLMEngine):
         return outputs
 
     def abort(self, request_id: str) -> None:
-        self._waiting = [w for w in self._waiting if w[2] != request_id]  # nothing of them is placed yet
+        self._waiting = [w for w in self._waiting if w[2] != request_id]  # only a full transfer holds items
+        self._drop_transfer(request_id)
         super().abort(request_id)
         self._release_finished()
 
@@ -193,10 +239,8 @@ class DecodeEngine(LLMEngine):
             waiting = [w for w in self._waiting if w[2] == rid]
             if waiting:
                 self._waiting.remove(waiting[0])
-                seq = Sequence(rid, list(waiting[0][0].prompt_token_ids), waiting[0][3],
-                               status=SequenceStatus.FINISHED, finish_reason="error", finish_time=now)
-                seq.error = error  # it holds nothing yet: only its output
-                outputs.append(self.make_output(seq))
+                self._drop_transfer(rid)
+                outputs.append(self._failed_output(rid, waiting[0][0], waiting[0][3], error))
                 continue
             seq = self.seqs.get(rid)
             if seq is not None and not seq.is_finished:
@@ -222,11 +266,15 @@ class DecodeEngine(LLMEngine):
     def disagg_stats(self) -> dict:
         """What /metrics shows of this side (entrypoints/metrics.py)."""
         return {"role": "decode", "admission_bytes": self.totals["admission_bytes"],
+                "admission_transport_bytes": self.totals["admission_transport_bytes"],
                 "admissions": self.totals["admissions"], "remote_bytes": self.reads.totals.bytes_read,
-                "remote_reads": self.reads.totals.reads, "reads_in_flight": self.reads.reads_in_flight,
+                "remote_reads": self.reads.totals.reads,
+                "reads_in_flight": self.reads.reads_in_flight
+                + sum(len(t.pending) for t in list(self._transfers.values())),
                 "leases_held": self.heartbeats.held(), "host_bytes_used": self.store.bytes_used,
                 "host_bytes_total": self.store.num_items * self.store.item_bytes,
-                "failed_requests": self.reads.totals.failed_requests + self.lease_failures}
+                "failed_requests": self.reads.totals.failed_requests + self.lease_failures
+                                   + self.transfer_failures}
 
     def close(self) -> None:
         self.heartbeats.close()

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from oasiskv.disagg.admission import Admission, admit_full, admit_rpf, held_positions
+from oasiskv.disagg.full_transfer import FullTransfer
 from oasiskv.disagg.remote_reads import RemoteReads
 from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.sampling_params import SamplingParams
@@ -120,27 +121,63 @@ class RemoteSource:
         self.reads.flush(self.budget_bytes)
 
 
-def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence | None:
+def request_max_blocks(engine, adm: Admission, params: SamplingParams) -> int:
+    """Blocks per layer the decode side holds for the admission (prompt and generated tokens)."""
+    seq = Sequence(adm.request_id, list(adm.prompt_token_ids), params, output_token_ids=[adm.first_token])
+    seq.num_cached_tokens = adm.num_cached
+    return engine.runner.sparse.max_blocks(seq, engine.max_model_len)
+
+
+def admit(engine, adm: Admission, peer: str, params: SamplingParams,
+          transfer: FullTransfer | None = None) -> Sequence | None:
     """Start decoding an admission in `engine` (a decode instance whose sparse manager has a
     RemoteSource): its working set on the GPU, its summaries, its draft chain and first token,
     as the prefill's conversion left them; `rpf` reads the other blocks from `peer` when asked,
-    `full` holds them all. None if pages or host items are short now."""
+    `full` holds them all: read by `transfer` (done), or here, before it starts, when none is
+    given. None if pages or host items are short now."""
     m = engine.runner.sparse
     source: RemoteSource = m.remote
     P = m.cfg.working_set_blocks
     seq = Sequence(adm.request_id, list(adm.prompt_token_ids), params, output_token_ids=[adm.first_token])
     seq.num_cached_tokens = adm.num_cached
     max_blocks = m.max_blocks(seq, engine.max_model_len)
+    own = adm.mode == "full" and transfer is None
+    if own:
+        transfer = FullTransfer.start(source.reads, adm, peer, max_blocks)
+        if transfer is None:
+            return None
+        transfer.wait()
+
+    def short() -> None:  # nothing admitted: what was taken goes back
+        if own:
+            transfer.abandon()
+        return None
+
     pages = engine.block_manager.take(P)
     if pages is None:
-        return None
+        return short()
     if adm.mode == "full":
-        state = admit_full(adm, source.reads, max_blocks, m.summary_dtype)
+        if not transfer.done:
+            raise ValueError("a full admission is placed once its transfer is done")
+        state = admit_full(adm, transfer.remote, source.reads, m.summary_dtype)
     else:
         state = admit_rpf(adm, source.reads, peer, max_blocks)
     if state is None:
         engine.block_manager.give_back(pages)
         return None
+    p = m.pipeline
+    slot = None
+    if p is not None:  # its row of the batched pipeline, and that row's item map
+        if p.remote is None:
+            raise ValueError("the engine's pipeline has no rows for disaggregated requests (remote_kv_gb)")
+        slot = p.remote.take_slot() if p.num_rows < p.R else None
+        if slot is None:  # every row in use: it waits (a full transfer keeps what it read)
+            engine.block_manager.give_back(pages)
+            if adm.mode == "rpf":
+                source.reads.release(state.remote)
+            return short()
+    if adm.mode == "full":  # admit_rpf tracks its own
+        source.reads.admit(state.remote)
     # LRU stamps are steps: keep their distance to the prefill's step (never below zero).
     m.step = max(m.step, adm.step)
     last = state.last_selected
@@ -148,16 +185,6 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams) -> Sequence
     ws = WorkingSet(m.cfg, pages, None, state.blocks, last, state.kmin.to(m.device), state.kmax.to(m.device),
                     draft=adm.draft, remote=state.remote)
     ws.history = TokenHistory(seq.token_ids)
-    p = m.pipeline
-    slot = None
-    if p is not None:  # its row of the batched pipeline, and that row's item map
-        if p.remote is None:
-            raise ValueError("the engine's pipeline has no rows for disaggregated requests (remote_kv_gb)")
-        slot = p.remote.take_slot() if p.num_rows < p.R else None
-        if slot is None:  # every row in use: it waits
-            engine.block_manager.give_back(pages)
-            source.reads.release(state.remote)
-            return None
     layer, head, pos = held_positions(state.blocks)
     slots = torch.tensor(pages, dtype=torch.long)[pos] * m.Hkv + head
     m.kv[layer.to(m.device), slots.to(m.device)] = state.items.to(m.device, m.kv.dtype)

@@ -15,7 +15,7 @@ def hand_over(sparse, seq, leases: LeaseTable, peer: str, mode: str = "rpf",
     if mode == "rpf":
         adm = rpf_admission(seq.request_id, seq, seq.sparse, sparse.kv, sparse.Hkv, sparse.step)
     else:
-        adm = full_admission(seq.request_id, seq, sparse.host.extent_items(seq.host_extent), sparse.step)
+        adm = full_admission(seq.request_id, seq, sparse.block_size, sparse.step)
     adm.peer_metadata = peer_metadata
     adm.lease_ttl_s = leases.grant(seq.request_id, peer)
     seq.host_extent = None  # the engine's release leaves the extent to the lease

@@ -268,8 +268,7 @@ class RemoteReads:
     def release(self, req: RemoteRequest) -> None:
         """The request is done: its local items go back once no read writes into them."""
         req.released = True
-        if req in self.tracked:
-            self.tracked.remove(req)
+        self.tracked = [r for r in self.tracked if r is not req]  # by identity: `==` compares arrays
         self._doomed.append(req)
         self._free_doomed()
 

@@ -110,7 +110,10 @@ class ServerMetrics:
         # Prefill/decode disaggregation (--role prefill|decode; docs/disaggregation.md).
         self.disagg_counters = {key: add(Counter, name, doc) for key, name, doc in (
             ("admission_bytes", "disagg_admission_bytes", "Admission bytes: handed over (prefill role) or "
-             "received (decode role)."),
+             "received before the first decode step (decode role: the admissions, and the full transfers' "
+             "reads over the transport)."),
+            ("admission_transport_bytes", "disagg_admission_transport_bytes", "Decode role: of the admission "
+             "bytes, those read over the transport at admission (the full transfer mode's KV)."),
             ("admissions", "disagg_admissions", "Requests handed over (prefill role) or admitted (decode role)."),
             ("remote_bytes", "disagg_remote_read_bytes", "Bytes the decode role read from prefill servers' "
              "host pools after admission."),

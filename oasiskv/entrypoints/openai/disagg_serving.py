@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from oasiskv.disagg.admission import Admission
 from oasiskv.entrypoints.openai.protocol import APIError
 
-ADMISSION_TIMEOUT_S = 600.0  # a full admission of a long request is gigabytes over HTTP
+ADMISSION_TIMEOUT_S = 600.0  # an RPF admission of a long request holds its working set's KV
 REAP_INTERVAL_S = 0.5
 
 
