@@ -16,6 +16,7 @@ triton turns the path off, =cudnn sends every chunk to it (checks and benchmarks
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,7 +35,13 @@ def cudnn_usable(q: torch.Tensor) -> bool:
     """cuDNN's fused attention runs here: a CUDA tensor on sm90+ with cuDNN, fp16 or bf16."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or backend() == "triton":
         return False
-    if not torch.backends.cudnn.is_available() or torch.cuda.get_device_capability(q.device)[0] < 9:
+    return _cudnn_attention_on(q.device.index or 0)
+
+
+@functools.cache
+def _cudnn_attention_on(device_index: int) -> bool:
+    """cuDNN and an sm90+ device (asked once per device: every layer of every prefill asks)."""
+    if not torch.backends.cudnn.is_available() or torch.cuda.get_device_capability(device_index)[0] < 9:
         return False
     return hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
 

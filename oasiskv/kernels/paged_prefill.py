@@ -11,7 +11,7 @@ sequence (prefix_len 0) is no special case. All chunks of a step go in one launc
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ class PrefillTable:
     page_table: torch.Tensor
     max_len: int
     spans: list[tuple[int, int, int]]
+    _subsets: dict = field(default_factory=dict, repr=False)  # built once a step, read by every layer
 
     @classmethod
     def build(cls, starts: list[int], lengths: list[int], prefix_lens: list[int],
@@ -50,10 +51,14 @@ class PrefillTable:
                    list(zip(starts, lengths, prefix_lens)))
 
     def subset(self, keep: list[int]) -> "PrefillTable":
-        """The chunks numbered in `keep` alone (their page-table rows unchanged)."""
-        index = torch.tensor(keep, device=self.chunks.device)
-        spans = [self.spans[i] for i in keep]
-        return PrefillTable(self.chunks[index], self.page_table, max(n for _, n, _ in spans), spans)
+        """The chunks numbered in `keep` alone (their page-table rows unchanged); built on the
+        first layer's call, reused by the others."""
+        key = tuple(keep)
+        if key not in self._subsets:
+            spans = [self.spans[i] for i in keep]
+            rows = self.chunks[torch.tensor(keep, device=self.chunks.device)]
+            self._subsets[key] = PrefillTable(rows, self.page_table, max(n for _, n, _ in spans), spans)
+        return self._subsets[key]
 
 
 def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -75,7 +80,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, table: PrefillTable, 
     if not to_cudnn:
         return paged_prefill_triton(q, kv_cache, table, num_kv_heads, scale)
     out = torch.empty_like(q)
-    rest = [i for i in range(len(table.spans)) if i not in set(to_cudnn)]
+    rest = sorted(set(range(len(table.spans))) - set(to_cudnn))
     if rest:
         paged_prefill_triton(q, kv_cache, table.subset(rest), num_kv_heads, scale, out=out)
     for i in to_cudnn:
