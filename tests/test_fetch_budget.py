@@ -137,8 +137,20 @@ def test_budget_setting():
 
 
 # ---- the kernel, under the Triton interpreter ----------------------------------------------
+SHARE_CASES = {"share_ties": (37, 5, 4, 23), "share_wide": (9, 20, 30, 50), "share_all": (20, 3, 6, 10**6),
+               "share_none": (6, 4, 3, 0)}
 KERNEL_CASES = {"budget_binds": (3, 4, 16, 16, 70, 5, 11), "unlimited": (2, 3, 8, 8, 40, 3, 10**6),
                 "cap_one": (2, 2, 8, 8, 30, 1, 2)}
+
+
+def share_inputs(N, C, ranks, gen):
+    """Candidate lists as the capped eviction writes them: ranks ascending in a row, some rows
+    short, scores with ties (rounded) so that the order's last key, the position, decides."""
+    rank = torch.randint(0, ranks, (N, C), generator=gen)
+    rank[torch.rand(N, C, generator=gen) < 0.25] = NO_CANDIDATE
+    rank = torch.sort(rank, 1).values.int()
+    score = torch.where(rank < NO_CANDIDATE, torch.randn(N, C, generator=gen).mul(2).round(), float("-inf"))
+    return rank, score
 
 
 def run_interpreter_cases() -> dict[str, float]:
@@ -153,6 +165,12 @@ def run_interpreter_cases() -> dict[str, float]:
         flat = lambda x: [x[0], x[1], x[2], *x[3]]  # noqa: E731
         errors[name] = float(sum(not torch.equal(a.float(), b.float()) for a, b in zip(flat(want), flat(got))))
         errors[name] += float((marks != -1).sum())
+    from oasiskv.sparse.fetch_budget import share_budget_torch, share_budget_triton
+    for name, (N, C, ranks, items) in SHARE_CASES.items():
+        rank, score = share_inputs(N, C, ranks, gen)
+        got = torch.full((N,), -7, dtype=torch.int32)
+        share_budget_triton(rank, score, torch.tensor(items), got)
+        errors[name] = float((got != share_budget_torch(rank, score, torch.tensor(items))).sum())
     return errors
 
 
@@ -161,7 +179,7 @@ def interpreter_errors():
     return run_under_interpreter(__file__)
 
 
-@pytest.mark.parametrize("name", list(KERNEL_CASES))
+@pytest.mark.parametrize("name", list(KERNEL_CASES) + list(SHARE_CASES))
 def test_budget_kernel_matches_torch_interpreter(interpreter_errors, name):
     assert interpreter_errors[name] == 0.0
 

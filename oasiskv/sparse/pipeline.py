@@ -544,7 +544,7 @@ class LookaheadPipeline:
         if self.budget.enabled:
             capped_eviction_(*args, **kw, candidates=(self.cand_rank[:n], self.cand_score[:n]))
             row_cap = self.row_cap[:n]
-            row_cap.copy_(share_budget(self.cand_rank[:n], self.cand_score[:n], self.budget_items))
+            share_budget(self.cand_rank[:n], self.cand_score[:n], self.budget_items, out=row_cap)
         capped_eviction_(*args, **kw, row_cap=row_cap, totals=self.step_totals)
 
     def transfer(self, layer: int) -> None:
