@@ -101,6 +101,7 @@ def run_throughput(engine, prompts: list[list[int]], chunk: int) -> dict:
     from oasiskv.sampling_params import SamplingParams
 
     engine.scheduler.max_num_batched_tokens = chunk
+    engine.runner.warm_up_prefill(chunk)  # as a server started with this chunk budget does
     before = dict(engine.step_stats)
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
     for p in prompts:

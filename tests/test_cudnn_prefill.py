@@ -65,3 +65,11 @@ def test_only_long_chunks_at_round_offsets_take_cudnn(monkeypatch):
     assert not cudnn_prefill.takes_chunk(28673, 4096) and not cudnn_prefill.takes_chunk(28672, 4000)
     monkeypatch.setenv("OASISKV_PREFILL_BACKEND", "cudnn")
     assert cudnn_prefill.takes_chunk(3, 5)
+
+
+def test_warm_up_builds_the_full_chunks_of_long_prompts(monkeypatch):
+    monkeypatch.delenv("OASISKV_PREFILL_BACKEND", raising=False)
+    assert cudnn_prefill.warm_up_offsets(4096, 32768) == [8192, 12288, 16384, 20480, 24576, 28672]
+    assert cudnn_prefill.warm_up_offsets(32768, 32768) == [0]
+    assert cudnn_prefill.warm_up_offsets(2048, 8192) == []  # no chunk of an 8K prompt is long enough
+    assert cudnn_prefill.warm_up_offsets(1000, 32768) == []  # not a round size: never sent to cuDNN

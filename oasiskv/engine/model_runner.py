@@ -4,7 +4,9 @@ Decode batches on CUDA replay CUDA graphs captured per bucketed batch size.
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import numpy as np
 import torch
@@ -15,6 +17,7 @@ from oasiskv.engine.sampler import on_device, sample_requests, to_host
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.sparse_decode import SparseDecodeMixin
+from oasiskv.kernels import cudnn_prefill
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
@@ -27,6 +30,7 @@ from oasiskv.sparse.step_hooks import SparseStepHooks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_GB = 2.0
+logger = logging.getLogger(__name__)
 
 
 def pick_device(name: str) -> torch.device:
@@ -85,8 +89,19 @@ class ModelRunner(SparseDecodeMixin):
             self._capture_decode_graphs()
             if self.pipeline is not None:
                 self.capture_pipeline_steps()
+        if self.device.type == "cuda":
+            self.warm_up_prefill(cfg.max_num_batched_tokens)
 
     # ---- set-up -------------------------------------------------------------------------
+    def warm_up_prefill(self, chunk: int) -> None:
+        """cuDNN's plans for `chunk`-token chunks of long prompts (the scheduler's budget), built
+        now rather than on a request's first token (`cudnn_prefill.warm_up`)."""
+        t0 = time.perf_counter()
+        n = cudnn_prefill.warm_up(self.kv_caches[0], self.model_config.num_heads, self.num_kv_heads, chunk,
+                                  self.max_model_len, self.head_dim ** -0.5)
+        if n:
+            logger.info("cuDNN prefill plans for %d chunk shapes in %.2f s", n, time.perf_counter() - t0)
+
     def _model_source(self) -> ModelSource:
         return resolve_model(self.cfg.model, self.cfg.load_format, self.cfg.rope_scaling)
 

@@ -66,16 +66,47 @@ def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor
     block_size)] page ids of its sequence, on the device -> [L, Hq, D]."""
     L, Hq, D = q.shape
     Hkv, bs = num_kv_heads, kv_cache.shape[2]
-    n = prefix + L
+    G, n = Hq // Hkv, prefix + L
     kv = kv_cache.view(-1, Hkv, 2, bs, D)[pages[:(n + bs - 1) // bs].long()]  # [pages, Hkv, 2, bs, D]
     kv = kv.permute(2, 1, 0, 3, 4).reshape(2, Hkv, -1, D)[:, :, :n]
-    kv = kv.repeat_interleave(Hq // Hkv, dim=1)[:, None]  # [2, 1, Hq, n, D]: cuDNN's op takes equal heads
-    qh = q.transpose(0, 1)[None]
-    own, own_lse = _attention_lse(qh, kv[0][..., prefix:, :], kv[1][..., prefix:, :], True, scale)
+    qh = q.transpose(0, 1)  # [Hq, L, D]; head h reads kv head h // G
+    own_kv = kv[:, :, prefix:].repeat_interleave(G, dim=1)  # cuDNN's causal op takes equal heads
+    own, own_lse = _attention_lse(qh[None], own_kv[0][None], own_kv[1][None], True, scale)
     if prefix == 0:
         return own[0].transpose(0, 1)
-    pre, pre_lse = _attention_lse(qh, kv[0][..., :prefix, :], kv[1][..., :prefix, :], False, scale)
+    # Without a mask a kv head's G query heads are one longer query: no copy of the prefix's keys.
+    pre, pre_lse = _attention_lse(qh.reshape(1, Hkv, G * L, D), kv[0, :, :prefix][None], kv[1, :, :prefix][None],
+                                  False, scale)
+    pre, pre_lse = pre.view(1, Hq, L, D), pre_lse.view(1, Hq, L, 1)
     top = torch.maximum(own_lse, pre_lse)
     w_own, w_pre = torch.exp(own_lse - top), torch.exp(pre_lse - top)
     out = (own.float() * w_own + pre.float() * w_pre) / (w_own + w_pre)
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def warm_up_offsets(chunk: int, max_len: int) -> list[int]:
+    """The offsets of a long prompt's full `chunk`-token chunks that cuDNN takes."""
+    if chunk % SHAPE_STEP:
+        return []
+    return [p for p in range(0, max_len - chunk + 1, chunk) if takes_chunk(p, chunk)]
+
+
+def warm_up(kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, chunk: int, max_len: int,
+            scale: float) -> int:
+    """Builds cuDNN's plans for the chunks a server's long prompts will bring: `chunk` tokens at
+    each offset k x `chunk` below `max_len` that cuDNN takes (a plan is 66-136 ms the first time,
+    which would otherwise land on a request's TTFT). Reads a layer's pool `kv_cache` as the
+    keys (whatever it holds; nothing is written). Returns the number of shapes run."""
+    if backend() != "auto" or not kv_cache.is_cuda:
+        return 0
+    D, bs = kv_cache.shape[-1], kv_cache.shape[2]
+    q = torch.zeros(chunk, num_heads, D, dtype=kv_cache.dtype, device=kv_cache.device)
+    pages = kv_cache.shape[0] // num_kv_heads
+    prefixes = [p for p in warm_up_offsets(chunk, max_len) if p + chunk <= pages * bs]
+    if not prefixes or not cudnn_usable(q):
+        return 0
+    table = torch.arange(pages, device=kv_cache.device, dtype=torch.int32)
+    for p in prefixes:
+        chunk_attention(q, kv_cache, table, p, num_kv_heads, scale)
+    torch.cuda.synchronize(kv_cache.device)
+    return len(prefixes)
