@@ -37,8 +37,8 @@ def timed(obj, name, into):
 
 
 def trace_summary(path: str, steps: int) -> dict:
-    """Per CUDA stream of a profiler trace: kernels, their summed time and the span they cover
-    (per step); for the foreground (the stream with the most time), its top kernels."""
+    """Per CUDA stream of a profiler trace: kernels, their summed time, the span they cover and
+    the top kernels (per step)."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
     streams = defaultdict(list)
@@ -50,13 +50,18 @@ def trace_summary(path: str, steps: int) -> dict:
         span = max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)
         out[str(sid)] = {"kernels_per_step": round(len(evs) / steps, 1), "busy_ms_per_step": round(busy / steps / 1e3, 3),
                          "span_ms": round(span / 1e3, 3)}
-    fg = max(streams, key=lambda k: sum(e["dur"] for e in streams[k]))
-    by_name = defaultdict(float)
-    for e in streams[fg]:
-        by_name[e["name"][:60]] += e["dur"]
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-    return {"foreground_stream": str(fg), "streams": out,
-            "foreground_top_us_per_step": {k: round(v / steps, 1) for k, v in top}}
+        by_name = defaultdict(float)
+        for e in evs:
+            by_name[e["name"][:60]] += e["dur"]
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+        out[str(sid)]["top_us_per_step"] = {k: round(v / steps, 1) for k, v in top}
+        evs = sorted(evs, key=lambda e: e["ts"])
+        waits = defaultdict(float)  # idle time before each kernel, by the kernel that waited
+        for prev, e in zip(evs, evs[1:]):
+            waits[e["name"][:60]] += max(0.0, e["ts"] - prev["ts"] - prev["dur"])
+        top = sorted(waits.items(), key=lambda kv: -kv[1])[:5]
+        out[str(sid)]["idle_before_us_per_step"] = {k: round(v / steps, 1) for k, v in top}
+    return {"streams": out}
 
 
 def run_case(a, case: str, out_dir: str | None) -> dict:
@@ -90,7 +95,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     timed(engine, "_convert_to_sparse", spent)
     vocab = engine.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=a.steps, ignore_eos=True)
+    params = SamplingParams(max_tokens=a.steps, ignore_eos=True, temperature=a.temperature)
     for _ in range(a.rows):
         engine.add_request(torch.randint(0, vocab, (a.context,), generator=gen).tolist(), params)
     # Until every request decodes (sparse: has converted): prefill, conversions, preemptions.
@@ -170,6 +175,7 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the rows (at least 16)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: context + steps + 64")
     ap.add_argument("--threshold", type=int, default=4096)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as `bench serve` sends")
     ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
                     help="dense, or a --fetch-budget value; suffixes /sN: N attention splits, /fN, /tN: foreground, "
                          "transfer stream priority -N")
