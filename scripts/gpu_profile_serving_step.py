@@ -69,6 +69,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     budget, *knobs = case.split("/")
     knobs = {k[0]: int(k[1:]) for k in knobs}  # s: attention splits, f / t: foreground / transfer priority -N
     sparse = budget != "dense"
+    from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
+    pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
                        fetch_budget=budget if sparse else "auto",
@@ -178,7 +180,7 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as `bench serve` sends")
     ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
                     help="dense, or a --fetch-budget value; suffixes /sN: N attention splits, /fN, /tN: foreground, "
-                         "transfer stream priority -N")
+                         "transfer stream priority -N; /FN: the stages fork after STAGE_FORKS[N] (attention, o_proj, mlp)")
     ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
     a = ap.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")  # conversions, graph builds
