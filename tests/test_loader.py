@@ -241,3 +241,13 @@ def test_tokenizer_round_trip_and_cache(default_source, tmp_path, monkeypatch):
          "num_hidden_layers": 1, "num_attention_heads": 4}))
     assert load_tokenizer(resolve_model(str(tmp_path / "hf"), "dummy"))(text)["input_ids"] == ids
     assert load_tokenizer(resolve_model("smollm2-135m", "dummy")) is None
+
+
+def test_default_model_can_be_named_by_the_environment(monkeypatch, tmp_path):
+    staged = tmp_path / "model.gguf"
+    staged.write_bytes(b"GGUF")
+    monkeypatch.setenv("OASISKV_DEFAULT_GGUF", str(staged))
+    assert default_model_path() == staged
+    monkeypatch.setenv("OASISKV_DEFAULT_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="OASISKV_DEFAULT_GGUF"):
+        default_model_path()

