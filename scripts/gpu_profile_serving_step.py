@@ -88,6 +88,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
             p.foreground_priority = -knobs["f"]
         if "t" in knobs:
             p.streams[2] = torch.cuda.Stream(p.device, priority=-knobs["t"])
+        if "c" in knobs:  # the GEMMs' SM carve-out; negative: torch's BLAS settings as they are
+            p.gemm_sm_carveout = knobs["c"] if knobs["c"] >= 0 else None
         engine.runner.pipeline_steps.clear()  # the steps captured at start-up: built again with them
     if p is not None:
         row["link_GBps"] = round(p.budget.link_bytes_per_s / 1e9, 1)
@@ -180,7 +182,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as `bench serve` sends")
     ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
                     help="dense, or a --fetch-budget value; suffixes /sN: N attention splits, /fN, /tN: foreground, "
-                         "transfer stream priority -N; /FN: the stages fork after STAGE_FORKS[N] (attention, o_proj, mlp)")
+                         "transfer stream priority -N; /FN: the stages fork after STAGE_FORKS[N] (attention, o_proj, mlp); "
+                         "/cN: the GEMMs' SM carve-out (c-1: torch's BLAS as it is)")
     ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
     a = ap.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")  # conversions, graph builds
