@@ -4,7 +4,7 @@ import json
 
 from oasiskv.entrypoints.cli import main as cli_main
 from oasiskv.eval.reasoning import first_difference, parse_answer
-from oasiskv.eval.reasoning_problems import EASY_PROBLEMS, PROBLEMS, collatz_steps, recurrence
+from oasiskv.eval.reasoning_problems import EASY_PROBLEMS, LONG_PROBLEMS, PROBLEMS, collatz_steps, recurrence
 
 
 def test_problems_have_their_worked_answers():
@@ -21,6 +21,13 @@ def test_easy_set_answers():
     answers = {p.name: p.answer for p in EASY_PROBLEMS}
     assert len(answers) == len(EASY_PROBLEMS) == 12
     assert answers["eggs"] == 37 and answers["sum-range"] == 10 and answers["if-else"] == 15
+
+
+def test_long_set_answers():
+    answers = {p.name: p.answer for p in LONG_PROBLEMS}
+    assert len(answers) == len(LONG_PROBLEMS) == 6
+    assert answers["table-7x250"] == 1750 and answers["running-sum-150"] == 11325
+    assert answers["countdown-3000-by-5"] == 5 and answers["countdown-2000-by-7"] == 5  # 2000 = 7 * 285 + 5
 
 
 def test_answer_and_first_difference():

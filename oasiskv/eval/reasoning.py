@@ -21,8 +21,9 @@ NUMBER = re.compile(r"-?\d+")
 
 def add_reasoning_args(p) -> None:
     p.add_argument("--max-tokens", type=int, default=2048, help="generated tokens at most per problem")
-    p.add_argument("--set", dest="problem_set", choices=("hard", "easy"), default="hard",
-                   help="the problem set (reasoning_problems.py): hard, or easy where a small model gets some right")
+    p.add_argument("--set", dest="problem_set", choices=("hard", "easy", "long"), default="hard",
+                   help="the problem set (reasoning_problems.py): hard; easy, where a small model gets some "
+                        "right; long, 2K-4K tokens of simple steps")
     p.add_argument("--problems", type=int, default=None, help="the first N problems only (default: all)")
     p.add_argument("--drafters", nargs="+", default=["self"],
                    help="sparse runs to compare with dense: DRAFTER[:FIELD=VALUE,...] (as eval passkey)")

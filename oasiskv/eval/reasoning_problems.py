@@ -3,9 +3,11 @@ to write every step and end with `Answer: N`, so a free run goes on for hundreds
 thousand tokens after a prompt of about a hundred. The right answers are computed here, by
 running the arithmetic or the program itself.
 
-Two sets: `hard` (Collatz counts, modular recurrences, loop-heavy programs: many steps, beyond a
-0.5B model) and `easy` (word problems of two or three operations, programs of a few lines), where
-a small model gets some right, so that dense and sparse task accuracy can differ."""
+Three sets: `hard` (Collatz counts, modular recurrences, loop-heavy programs: many steps, beyond a
+0.5B model), `easy` (word problems of two or three operations, programs of a few lines), where
+a small model gets some right, so that dense and sparse task accuracy can differ, and `long`
+(tables, running sums and countdowns written out line by line: 2K-4K generated tokens of simple
+steps, the last of which is the answer)."""
 from __future__ import annotations
 
 import contextlib
@@ -100,4 +102,32 @@ _EASY_KINDS = (
              2 * (8 + 5))],
     [program_output(name, source) for name, source in SHORT_PROGRAMS.items()])
 EASY_PROBLEMS: list[Problem] = [p for i in range(6) for kind in _EASY_KINDS for p in kind[i:i + 1]]
-SETS = {"hard": PROBLEMS, "easy": EASY_PROBLEMS}
+
+
+def times_table(k: int, n: int) -> Problem:
+    return Problem(f"table-{k}x{n}", f"Write the {k} times table from {k} x 1 to {k} x {n}, one line each, "
+                   f"as `{k} x i = result`. The answer is the last result.", k * n)
+
+
+def running_sum(n: int) -> Problem:
+    return Problem(f"running-sum-{n}", f"Add the numbers from 1 to {n} one at a time: after adding each number "
+                   f"i, write a line `+ i = total so far`. The answer is the final total.", n * (n + 1) // 2)
+
+
+def countdown(start: int, step: int) -> Problem:
+    last = start - step * ((start - 1) // step)
+    return Problem(f"countdown-{start}-by-{step}", f"Count down from {start} by {step} at a time, one number a "
+                   f"line, while the number stays positive. The answer is the last number you write.", last)
+
+
+def squares(n: int) -> Problem:
+    return Problem(f"squares-{n}", f"Write the square of every number from 1 to {n}, one line each, as "
+                   f"`i^2 = square`. The answer is the last square.", n * n)
+
+
+# Long worked answers (2K-4K tokens of Qwen2.5's tokenizer, which writes a digit a token) made of
+# steps a small model gets right, each read off the line before: the answer is right only if the
+# run keeps its own format and arithmetic over the whole generation, sparse past its threshold.
+LONG_PROBLEMS: list[Problem] = [times_table(7, 250), running_sum(150), countdown(3000, 5), squares(160),
+                                times_table(13, 200), countdown(2000, 7)]
+SETS = {"hard": PROBLEMS, "easy": EASY_PROBLEMS, "long": LONG_PROBLEMS}
