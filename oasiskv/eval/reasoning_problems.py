@@ -22,10 +22,11 @@ class Problem:
     name: str
     question: str
     answer: int
+    instruction: str = INSTRUCTION
 
     @property
     def prompt(self) -> str:
-        return f"{self.question}\n{INSTRUCTION}"
+        return f"{self.question}\n{self.instruction}"
 
 
 def collatz_steps(n: int) -> int:
@@ -104,25 +105,29 @@ _EASY_KINDS = (
 EASY_PROBLEMS: list[Problem] = [p for i in range(6) for kind in _EASY_KINDS for p in kind[i:i + 1]]
 
 
+# No `Answer:` line asked for: small models write it first. The answer is the text's last number.
+LONG_INSTRUCTION = "Write all the lines, one after another, and nothing else."
+
+
 def times_table(k: int, n: int) -> Problem:
     return Problem(f"table-{k}x{n}", f"Write the {k} times table from {k} x 1 to {k} x {n}, one line each, "
-                   f"as `{k} x i = result`. The answer is the last result.", k * n)
+                   f"as `{k} x i = result`.", k * n, LONG_INSTRUCTION)
 
 
 def running_sum(n: int) -> Problem:
     return Problem(f"running-sum-{n}", f"Add the numbers from 1 to {n} one at a time: after adding each number "
-                   f"i, write a line `+ i = total so far`. The answer is the final total.", n * (n + 1) // 2)
+                   f"i, write a line `+ i = total so far`.", n * (n + 1) // 2, LONG_INSTRUCTION)
 
 
 def countdown(start: int, step: int) -> Problem:
     last = start - step * ((start - 1) // step)
     return Problem(f"countdown-{start}-by-{step}", f"Count down from {start} by {step} at a time, one number a "
-                   f"line, while the number stays positive. The answer is the last number you write.", last)
+                   f"line, while the number stays positive.", last, LONG_INSTRUCTION)
 
 
 def squares(n: int) -> Problem:
     return Problem(f"squares-{n}", f"Write the square of every number from 1 to {n}, one line each, as "
-                   f"`i^2 = square`. The answer is the last square.", n * n)
+                   f"`i^2 = square`.", n * n, LONG_INSTRUCTION)
 
 
 # Long worked answers (2K-4K tokens of Qwen2.5's tokenizer, which writes a digit a token) made of
