@@ -24,6 +24,9 @@ from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
 
 
+LINEARS = ("qkv", "o", "gate_up", "down")  # the /gN knob's bits, lowest first
+
+
 def timed(obj, name, into):
     original = getattr(obj, name)
 
@@ -71,6 +74,9 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     sparse = budget != "dense"
     from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
     pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
+    from oasiskv.kernels import skinny_gemm  # g: bits of qkv, o, gate_up, down through the decode-batch linear
+    skinny_gemm.ENABLED.clear()
+    skinny_gemm.ENABLED.update(n for i, n in enumerate(LINEARS) if knobs.get("g", 0) >> i & 1)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
                        fetch_budget=budget if sparse else "auto",
@@ -183,7 +189,8 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
                     help="dense, or a --fetch-budget value; suffixes /sN: N attention splits, /fN, /tN: foreground, "
                          "transfer stream priority -N; /FN: the stages fork after STAGE_FORKS[N] (attention, o_proj, mlp); "
-                         "/cN: the GEMMs' SM carve-out (c-1: torch's BLAS as it is)")
+                         "/cN: the GEMMs' SM carve-out (c-1: torch's BLAS as it is); /gN: bits of qkv, o, gate_up, down "
+                         "through kernels/skinny_gemm.py (g8: down, g15: all four)")
     ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
     a = ap.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")  # conversions, graph builds
