@@ -75,6 +75,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
     pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
     from oasiskv.kernels import skinny_gemm  # g: bits of qkv, o, gate_up, down through the decode-batch linear
+    from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
+    fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
     skinny_gemm.ENABLED.clear()
     skinny_gemm.ENABLED.update(n for i, n in enumerate(LINEARS) if knobs.get("g", 0) >> i & 1)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
@@ -190,7 +192,8 @@ def main():
                     help="dense, or a --fetch-budget value; suffixes /sN: N attention splits, /fN, /tN: foreground, "
                          "transfer stream priority -N; /FN: the stages fork after STAGE_FORKS[N] (attention, o_proj, mlp); "
                          "/cN: the GEMMs' SM carve-out (c-1: torch's BLAS as it is); /gN: bits of qkv, o, gate_up, down "
-                         "through kernels/skinny_gemm.py (g8: down, g15: all four)")
+                         "through kernels/skinny_gemm.py (g8: down, g15: all four); /hN: N candidates a budget-share program "
+                         "(h0: the two sorts instead)")
     ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
     a = ap.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")  # conversions, graph builds

@@ -65,7 +65,7 @@ def share_budget(cand_rank: torch.Tensor, cand_score: torch.Tensor, items: torch
         out = torch.empty(N, dtype=torch.int32, device=cand_rank.device)
     if not isinstance(items, torch.Tensor):
         items = torch.tensor(items, dtype=torch.long, device=cand_rank.device)
-    if cand_rank.is_cuda and triton is not None:
+    if cand_rank.is_cuda and triton is not None and SHARE_TILE_CANDIDATES > 0:
         share_budget_triton(cand_rank, cand_score, items, out)
     else:
         out.copy_(share_budget_torch(cand_rank, cand_score, items))
@@ -94,11 +94,12 @@ def share_budget_triton(cand_rank: torch.Tensor, cand_score: torch.Tensor, items
     rows = max(1, SHARE_TILE_CANDIDATES // cp)
     _share_kernel[(triton.cdiv(N, rows),)](
         cand_rank.contiguous(), cand_score.contiguous(), items, out, N, N * C,
-        C=C, CP=cp, ROWS=rows, TILE=SHARE_TILE_OTHERS, NONE=NO_CANDIDATE)
+        C=C, CP=cp, ROWS=rows, TILE=max(16, SHARE_PAIRS // (rows * cp)), NONE=NO_CANDIDATE)
 
 
-# A share program: about this many of its own candidates, compared with this many others at a time.
-SHARE_TILE_CANDIDATES, SHARE_TILE_OTHERS = 64, 64
+# A share program: about this many of its own candidates (fewer programs hold fewer SMs beside the
+# foreground, each for longer), compared with others SHARE_PAIRS pairs at a time. 0: the sorts.
+SHARE_TILE_CANDIDATES, SHARE_PAIRS = 64, 4096
 
 if triton is not None:
 
