@@ -25,6 +25,11 @@ from oasiskv.sampling_params import SamplingParams
 
 
 LINEARS = ("qkv", "o", "gate_up", "down")  # the /gN knob's bits, lowest first
+CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N attention splits (s0: by waves), "
+              "/fN /tN foreground / transfer stream priority -N, /FN the stages fork after STAGE_FORKS[N] "
+              "(attention, o_proj, mlp), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), /gN bits of "
+              "qkv, o, gate_up, down through kernels/skinny_gemm.py (g8: down, g15: all four), /hN candidates a "
+              "budget-share program (h0: the two sorts)")
 
 
 def timed(obj, name, into):
@@ -90,8 +95,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
            "max_model_len": cfg.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
     p = engine.runner.pipeline
     if p is not None and knobs:
-        if "s" in knobs:
-            p.attention_splits = knobs["s"]
+        if "s" in knobs:  # s0: by waves (`LookaheadPipeline.splits_for`)
+            p.attention_splits = knobs["s"] or "waves"
         if "f" in knobs:
             p.foreground_priority = -knobs["f"]
         if "t" in knobs:
@@ -189,11 +194,7 @@ def main():
     ap.add_argument("--threshold", type=int, default=4096)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as `bench serve` sends")
     ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
-                    help="dense, or a --fetch-budget value; suffixes /sN: N attention splits, /fN, /tN: foreground, "
-                         "transfer stream priority -N; /FN: the stages fork after STAGE_FORKS[N] (attention, o_proj, mlp); "
-                         "/cN: the GEMMs' SM carve-out (c-1: torch's BLAS as it is); /gN: bits of qkv, o, gate_up, down "
-                         "through kernels/skinny_gemm.py (g8: down, g15: all four); /hN: N candidates a budget-share program "
-                         "(h0: the two sorts instead)")
+                    help=CASES_HELP)
     ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
     a = ap.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")  # conversions, graph builds

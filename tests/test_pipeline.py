@@ -200,3 +200,10 @@ def test_every_layer_offers_its_fork_points_in_order(monkeypatch):
     per_step = [(layer, part) for layer in range(L) for part in STAGE_FORKS]
     assert seen and len(seen) % len(per_step) == 0
     assert seen == per_step * (len(seen) // len(per_step))
+
+
+def test_wave_filling_splits_fill_the_last_wave():
+    from oasiskv.sparse.pipeline import wave_filling_splits
+    assert wave_filling_splits(24 * 8, 128) == 2  # 192 programs: 2 half-empty waves unsplit, 3 full ones split
+    assert wave_filling_splits(16 * 8, 128) == 1 and wave_filling_splits(48 * 8, 128) == 1  # already full
+    assert wave_filling_splits(8, 128) == 4  # one request: as many splits as allowed
