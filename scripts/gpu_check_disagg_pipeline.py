@@ -41,7 +41,8 @@ def decode_speed(handed: dict, pipeline: bool, requests: int, tokens: int) -> di
     seconds = time.perf_counter() - t0
     reads.transport.close()
     assert all(o.finish_reason == "length" for o in outs.values())
-    return {"seconds": round(seconds, 3), "output_tok_s": round(requests * tokens / seconds, 1),
+    made = sum(len(o.token_ids) for o in outs.values())  # the model's length may end them early
+    return {"seconds": round(seconds, 3), "output_tokens": made, "output_tok_s": round(made / seconds, 1),
             "remote_reads": reads.totals.reads, "remote_bytes": reads.totals.bytes_read}
 
 

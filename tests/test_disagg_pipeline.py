@@ -395,6 +395,8 @@ def test_mixed_rows_torch_forms():
     assert mixed_rows_copies("torch") == {"fetch": True, "write_through": True, "moved": True}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the compiled kernels are checked "
+                    "(scripts/gpu_check_disagg_pipeline.py); the interpreter there may meet a newer numpy")
 def test_mixed_rows_kernels_interpreter():
     assert run_under_interpreter(__file__) == {"fetch": True, "write_through": True, "moved": True}
 

@@ -207,3 +207,13 @@ def test_wave_filling_splits_fill_the_last_wave():
     assert wave_filling_splits(24 * 8, 128) == 2  # 192 programs: 2 half-empty waves unsplit, 3 full ones split
     assert wave_filling_splits(16 * 8, 128) == 1 and wave_filling_splits(48 * 8, 128) == 1  # already full
     assert wave_filling_splits(8, 128) == 4  # one request: as many splits as allowed
+
+
+def test_pipeline_request_runs_to_the_model_length():
+    """A sparse request decodes on the pipeline until `max_model_len` (its last steps' scan is the
+    model's full width, not beyond it) and ends with "length"."""
+    llm = LLM(sparse_pipeline="on", **BUDGET)
+    ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:740]
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == BUDGET["max_model_len"]
+    assert out.stats["sparse_steps"] > 0

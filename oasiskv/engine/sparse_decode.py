@@ -141,8 +141,9 @@ class SparseDecodeMixin:
 
     def scan_width(self, seqs: list[Sequence]) -> int:
         """The narrowest prediction scan that holds every request of the step: the blocks its
-        next step will have, and a block to spare."""
-        need = max(s.num_tokens for s in seqs) // self.block_size + 3
+        next step will have, and a block to spare (no wider than the model's length: a request
+        near `max_model_len` has every block it can have)."""
+        need = min(max(s.num_tokens for s in seqs) // self.block_size + 3, self.pipeline.max_blocks)
         return next(b for b in scan_buckets(self.pipeline.max_blocks) if b >= need)
 
     def capture_pipeline_steps(self) -> None:
