@@ -29,7 +29,7 @@ CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N
               "/fN /tN foreground / transfer stream priority -N, /FN the stages fork after STAGE_FORKS[N] "
               "(attention, o_proj, mlp), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), /gN bits of "
               "qkv, o, gate_up, down through kernels/skinny_gemm.py (g8: down, g15: all four), /hN candidates a "
-              "budget-share program (h0: the two sorts)")
+              "budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly)")
 
 
 def timed(obj, name, into):
@@ -69,7 +69,40 @@ def trace_summary(path: str, steps: int) -> dict:
             waits[e["name"][:60]] += max(0.0, e["ts"] - prev["ts"] - prev["dur"])
         top = sorted(waits.items(), key=lambda kv: -kv[1])[:5]
         out[str(sid)]["idle_before_us_per_step"] = {k: round(v / steps, 1) for k, v in top}
+    busiest = max(streams, key=lambda sid: len(streams[sid]), default=None)
+    if busiest is not None:
+        out["foreground_gaps"] = gap_overlaps(streams, busiest, steps)
     return {"streams": out}
+
+
+def gap_overlaps(streams: dict, fg, steps: int, min_gap_us: float = 5.0) -> dict:
+    """What ran on the other streams while the foreground (`fg`, the stream with the most
+    kernels) sat idle for at least `min_gap_us`: each other kernel's overlap with those gaps
+    (us per step, top 8), and the gaps' total with nothing running anywhere."""
+    evs = sorted(streams[fg], key=lambda e: e["ts"])
+    gaps = [(a["ts"] + a["dur"], b["ts"]) for a, b in zip(evs, evs[1:]) if b["ts"] - a["ts"] - a["dur"] >= min_gap_us]
+    others = sorted((e for sid, es in streams.items() if sid != fg for e in es), key=lambda e: e["ts"])
+    overlap, empty = defaultdict(float), 0.0
+    for g0, g1 in gaps:
+        covered = []
+        for e in others:
+            if e["ts"] >= g1:
+                break
+            lo, hi = max(g0, e["ts"]), min(g1, e["ts"] + e["dur"])
+            if hi > lo:
+                overlap[e["name"][:60]] += hi - lo
+                covered.append((lo, hi))
+        end, busy = g0, 0.0  # union of the covered intervals
+        for lo, hi in sorted(covered):
+            if hi > end:
+                busy += hi - max(lo, end)
+                end = hi
+        empty += (g1 - g0) - busy
+    top = sorted(overlap.items(), key=lambda kv: -kv[1])[:8]
+    return {"gaps_per_step": round(len(gaps) / steps, 1),
+            "gap_us_per_step": round(sum(g1 - g0 for g0, g1 in gaps) / steps, 1),
+            "nothing_running_us_per_step": round(empty / steps, 1),
+            "overlapping_us_per_step": {k: round(v / steps, 1) for k, v in top}}
 
 
 def run_case(a, case: str, out_dir: str | None) -> dict:
@@ -85,6 +118,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     skinny_gemm.ENABLED.clear()
     skinny_gemm.ENABLED.update(n for i, n in enumerate(LINEARS) if knobs.get("g", 0) >> i & 1)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
+                       enforce_eager=bool(knobs.get("e", 0)),
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
                        fetch_budget=budget if sparse else "auto",
                        max_num_seqs=a.max_num_seqs or max(a.rows, 16),
