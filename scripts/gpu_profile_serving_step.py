@@ -24,12 +24,10 @@ from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
 
 
-LINEARS = ("qkv", "o", "gate_up", "down")  # the /gN knob's bits, lowest first
 CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N attention splits (s0: by waves), "
               "/fN /tN foreground / transfer stream priority -N, /FN the stages fork after STAGE_FORKS[N] "
-              "(attention, o_proj, mlp), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), /gN bits of "
-              "qkv, o, gate_up, down through kernels/skinny_gemm.py (g8: down, g15: all four), /hN candidates a "
-              "budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly)")
+              "(attention, o_proj, mlp), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), "
+              "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly)")
 
 
 def timed(obj, name, into):
@@ -112,11 +110,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     sparse = budget != "dense"
     from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
     pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
-    from oasiskv.kernels import skinny_gemm  # g: bits of qkv, o, gate_up, down through the decode-batch linear
     from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
     fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
-    skinny_gemm.ENABLED.clear()
-    skinny_gemm.ENABLED.update(n for i, n in enumerate(LINEARS) if knobs.get("g", 0) >> i & 1)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
                        enforce_eager=bool(knobs.get("e", 0)),
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,

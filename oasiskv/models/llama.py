@@ -13,7 +13,6 @@ from torch import nn
 
 from oasiskv.layers.attention import AttentionMetadata, attend
 from oasiskv.kernels.qkv_epilogue import qkv_epilogue
-from oasiskv.kernels.skinny_gemm import linear
 from oasiskv.layers.fused import add_rms_norm, rms_norm, silu_mul
 from oasiskv.layers.rotary import RotaryEmbedding
 from oasiskv.models.config import ModelConfig
@@ -49,12 +48,12 @@ class LlamaAttention(nn.Module):
         # Norm, RoPE, the K/V store and the sparse pipeline's summary fold: one launch on CUDA.
         fold = meta.hooks.summary_fold(self.layer) if meta.hooks is not None else None
         norm = self.q_norm is not None
-        q, k, v = qkv_epilogue(linear(self.qkv_proj, x, "qkv"), self.num_heads, self.num_kv_heads, positions,
+        q, k, v = qkv_epilogue(self.qkv_proj(x), self.num_heads, self.num_kv_heads, positions,
                                self.rotary.cos, self.rotary.sin, self.q_norm.weight if norm else None,
                                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                                kv_cache, meta.write_slots, meta.write_offsets, fold)
         o = attend(q, k, v, kv_cache, meta, self.scale, self.layer)
-        o = linear(self.o_proj, o.reshape(x.shape[0], self.q_size), "o")
+        o = self.o_proj(o.reshape(x.shape[0], self.q_size))
         if meta.hooks is not None:
             meta.hooks.fork_point(self.layer, "o_proj")
         return o
@@ -67,7 +66,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return linear(self.down_proj, silu_mul(linear(self.gate_up_proj, x, "gate_up")), "down")
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
