@@ -3,8 +3,8 @@
 
 A chunk at positions [P, P + L) of its sequence attends its prefix (every query sees every key:
 no mask) and itself (causal). cuDNN computes each part with its log-sum-exp, and the two parts
-merge as the online softmax would. Keys and values are first gathered out of the pages into one
-contiguous buffer per chunk: a memory-bound copy, about 1% of the attention's time at 32K.
+merge as the online softmax would. The chunk's own keys and values come as the layer computed
+them; the prefix's are gathered out of the pages into one contiguous buffer (one copy).
 
 On one H200 (Qwen3-8B's heads, bf16) cuDNN is faster where a chunk has many (query, key) pairs
 (a 32K prompt in one chunk: 566 against 366 TFLOP/s; 4,096 after 28K: 463 against 378) and
@@ -60,23 +60,59 @@ def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return out, lse.reshape(*q.shape[:3], 1)
 
 
+# Per device: does cuDNN take keys and values with fewer heads than the query (GQA) and give
+# what the repeated heads give? Asked once, on a small case (`_gqa_native`).
+_GQA_NATIVE: dict[str, bool] = {}
+
+
+def _gqa_native(q: torch.Tensor) -> bool:
+    key = str(q.device)
+    if key not in _GQA_NATIVE:
+        gen = torch.Generator(device=q.device).manual_seed(0)
+        qs = torch.randn(1, 4, 64, q.shape[-1], device=q.device, generator=gen).to(q.dtype)
+        ks, vs = (torch.randn(1, 2, 64, q.shape[-1], device=q.device, generator=gen).to(q.dtype) for _ in range(2))
+        try:
+            got = _attention_lse(qs, ks, vs, True, 0.1)[0]
+            ok = torch.allclose(got.float(), _attention_lse(qs, ks.repeat_interleave(2, dim=1),
+                                                            vs.repeat_interleave(2, dim=1), True, 0.1)[0].float(),
+                                atol=1e-2, rtol=1e-2)
+        except RuntimeError:
+            ok = False
+        _GQA_NATIVE[key] = ok
+    return _GQA_NATIVE[key]
+
+
+def gather_keys(kv_cache: torch.Tensor, pages: torch.Tensor, n: int, num_kv_heads: int) -> torch.Tensor:
+    """The first n positions' K and V of a sequence out of its pages: [2, Hkv, n, D], one copy."""
+    Hkv, bs, D = num_kv_heads, kv_cache.shape[2], kv_cache.shape[3]
+    by_page = kv_cache.view(-1, Hkv, 2, bs, D).permute(2, 1, 0, 3, 4)  # [2, Hkv, pages, bs, D], a view
+    kv = torch.index_select(by_page, 2, pages[:(n + bs - 1) // bs].long())
+    return kv.reshape(2, Hkv, -1, D)[:, :, :n]
+
+
 def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor, prefix: int,
-                    num_kv_heads: int, scale: float) -> torch.Tensor:
+                    num_kv_heads: int, scale: float, own_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """q [L, Hq, D] of one chunk at positions [prefix, prefix + L); pages: [>= ceil((prefix + L) /
-    block_size)] page ids of its sequence, on the device -> [L, Hq, D]."""
+    block_size)] page ids of its sequence, on the device; own_kv: the chunk's own K and V [L, Hkv,
+    D] as the layer computed them (what it stored in the pages; read from the pages if None)
+    -> [L, Hq, D]."""
     L, Hq, D = q.shape
-    Hkv, bs = num_kv_heads, kv_cache.shape[2]
-    G, n = Hq // Hkv, prefix + L
-    kv = kv_cache.view(-1, Hkv, 2, bs, D)[pages[:(n + bs - 1) // bs].long()]  # [pages, Hkv, 2, bs, D]
-    kv = kv.permute(2, 1, 0, 3, 4).reshape(2, Hkv, -1, D)[:, :, :n]
+    Hkv = num_kv_heads
+    G = Hq // Hkv
     qh = q.transpose(0, 1)  # [Hq, L, D]; head h reads kv head h // G
-    own_kv = kv[:, :, prefix:].repeat_interleave(G, dim=1)  # cuDNN's causal op takes equal heads
-    own, own_lse = _attention_lse(qh[None], own_kv[0][None], own_kv[1][None], True, scale)
+    if own_kv is None:
+        own_k, own_v = gather_keys(kv_cache, pages, prefix + L, Hkv)[:, :, prefix:]
+    else:
+        own_k, own_v = (t.transpose(0, 1) for t in own_kv)  # [Hkv, L, D] views
+    if G > 1 and not _gqa_native(q):  # cuDNN's causal op then takes equal heads
+        own_k, own_v = own_k.repeat_interleave(G, dim=0), own_v.repeat_interleave(G, dim=0)
+    own, own_lse = _attention_lse(qh[None], own_k[None], own_v[None], True, scale)
     if prefix == 0:
         return own[0].transpose(0, 1)
+    kv = gather_keys(kv_cache, pages, prefix, Hkv)
     # Without a mask a kv head's G query heads are one longer query: no copy of the prefix's keys.
-    pre, pre_lse = _attention_lse(qh.reshape(1, Hkv, G * L, D), kv[0, :, :prefix][None], kv[1, :, :prefix][None],
-                                  False, scale)
+    pre, pre_lse = _attention_lse(qh.reshape(1, Hkv, G * L, D), kv[0][None], kv[1][None], False, scale)
     pre, pre_lse = pre.view(1, Hq, L, D), pre_lse.view(1, Hq, L, 1)
     top = torch.maximum(own_lse, pre_lse)
     w_own, w_pre = torch.exp(own_lse - top), torch.exp(pre_lse - top)
@@ -106,7 +142,12 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, chunk: in
     if not prefixes or not cudnn_usable(q):
         return 0
     table = torch.arange(pages, device=kv_cache.device, dtype=torch.int32)
+    # The own keys and values with the strides a layer gives them (qkv_epilogue: k its own
+    # tensor, v a view of the fused projection), which cuDNN's plans are built for.
+    k = torch.zeros(chunk, num_kv_heads, D, dtype=q.dtype, device=q.device)
+    v = torch.zeros(chunk, (num_heads + 2 * num_kv_heads) * D, dtype=q.dtype, device=q.device)
+    v = v[:, (num_heads + num_kv_heads) * D:].view(chunk, num_kv_heads, D)
     for p in prefixes:
-        chunk_attention(q, kv_cache, table, p, num_kv_heads, scale)
+        chunk_attention(q, kv_cache, table, p, num_kv_heads, scale, own_kv=(k, v))
     torch.cuda.synchronize(kv_cache.device)
     return len(prefixes)

@@ -68,10 +68,11 @@ def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, table: PrefillTable, num_kv_heads: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]: Triton on CUDA tensors and under Triton's interpreter (so the
     engine's prefill runs the kernel in a CPU test), torch otherwise. On a GPU with cuDNN's
-    fused attention, long chunks go there instead (cudnn_prefill.py: faster at those sizes)."""
+    fused attention, long chunks go there instead (cudnn_prefill.py: faster at those sizes),
+    reading their own keys and values from k, v [T, Hkv, D] when given (as stored in the pages)."""
     if not (triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")):
         return paged_prefill_torch(q, kv_cache, table, num_kv_heads, scale)
     to_cudnn = []
@@ -79,14 +80,21 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, table: PrefillTable, 
         to_cudnn = [i for i, (_, n, p) in enumerate(table.spans) if cudnn_prefill.takes_chunk(p, n)]
     if not to_cudnn:
         return paged_prefill_triton(q, kv_cache, table, num_kv_heads, scale)
+    def on_cudnn(i: int) -> torch.Tensor:
+        start, n, prefix = table.spans[i]
+        own = (k[start:start + n], v[start:start + n]) if k is not None and v is not None else None
+        return cudnn_prefill.chunk_attention(q[start:start + n], kv_cache, table.page_table[i], prefix,
+                                             num_kv_heads, scale, own_kv=own)
+
+    if len(table.spans) == 1 and table.spans[0][1] == q.shape[0]:
+        return on_cudnn(0)  # one chunk, the whole step: its output as it comes
     out = torch.empty_like(q)
     rest = sorted(set(range(len(table.spans))) - set(to_cudnn))
     if rest:
         paged_prefill_triton(q, kv_cache, table.subset(rest), num_kv_heads, scale, out=out)
     for i in to_cudnn:
-        start, n, prefix = table.spans[i]
-        out[start:start + n] = cudnn_prefill.chunk_attention(
-            q[start:start + n], kv_cache, table.page_table[i], prefix, num_kv_heads, scale)
+        start, n, _ = table.spans[i]
+        out[start:start + n] = on_cudnn(i)
     return out
 
 

@@ -53,12 +53,12 @@ class AttentionMetadata:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float, layer: int) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] (post-RoPE, already stored in kv_cache by the qkv
-    epilogue, with the hooks' `summary_fold`) -> [T, Hq, D]. A prefill reads every key and value,
-    the chunk's own too, from the cache."""
+    epilogue, with the hooks' `summary_fold`) -> [T, Hq, D]. A prefill reads every key and value
+    from the cache, but for cuDNN's chunks, which take their own from k and v."""
     if meta.hooks is not None:
         meta.hooks.before_attention(layer, q, k, meta)
     if meta.is_prefill:
-        out = paged_prefill(q, kv_cache, meta.prefill_table, k.shape[1], scale)
+        out = paged_prefill(q, kv_cache, meta.prefill_table, k.shape[1], scale, k, v)
     else:
         T, Hq, D = q.shape
         B, Q = T // meta.query_len, meta.query_len
