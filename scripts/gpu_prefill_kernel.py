@@ -141,6 +141,26 @@ def time_case(name, prefix, length, Hkv=8, G=4, D=128, dtype=torch.bfloat16, con
               f"({flops / ms / 1e9:4.0f} TFLOP/s)")
 
 
+def silu_mul_case(rows=32768, width=12288):
+    """The MLP's SiLU-and-multiply at a prefill's size: torch.compile's kernel against
+    kernels/silu_mul.py, each checked against eager torch and timed (bytes moved / time)."""
+    from oasiskv.kernels.silu_mul import silu_mul_triton
+    from oasiskv.layers.fused import _silu_mul
+    x = torch.randn(rows, 2 * width, device=DEV, dtype=torch.bfloat16)
+    ref = (F.silu(x[:, :width].float()) * x[:, width:].float())
+    moved = 3 * rows * width * x.element_size()
+    row = {"case": f"silu_mul {rows} x {width}"}
+    ok = True
+    for name, fn in (("compiled", _silu_mul), ("triton", silu_mul_triton)):
+        err = (fn(x).float() - ref).abs().max().item()
+        ms = triton.testing.do_bench(lambda: fn(x))
+        row[f"{name}_ms"], row[f"{name}_TBps"], row[f"{name}_max_abs_err"] = ms, moved / ms / 1e9, err
+        ok &= err <= 2 ** -7 * ref.abs().max().item()  # one bf16 rounding of the largest output
+        print(f"{row['case']:28s} {name:9s} {ms:6.3f} ms ({moved / ms / 1e9:4.2f} TB/s), max abs err {err:.2e}")
+    results["timing"].append(row)
+    return ok
+
+
 SWEEP = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3),
          (64, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 2), (128, 128, 8, 2)]
 
@@ -160,6 +180,7 @@ def main():
     ok &= check("smollm2 fp16 chunk 2048 after 4K", [(4096, 2048), (0, 700)], 3, 3, 64, torch.float16)
     ok &= check("smollm2 fp32 offsets", [(8, 300), (100, 40)], 3, 3, 64, torch.float32)
     ok &= check("G=7 D=64 bf16", [(2048, 1024), (0, 129)], 2, 7, 64, torch.bfloat16)
+    ok &= silu_mul_case()
     configs = SWEEP if args.sweep else None
     time_case("32K prompt in one chunk", 0, 32768, configs=configs)
     time_case("chunk 8192 after 24K", 24576, 8192, configs=configs)

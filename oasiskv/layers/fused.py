@@ -12,6 +12,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from oasiskv.kernels.silu_mul import silu_mul_triton
+
 
 def cuda_compiled(fn):
     compiled = None
@@ -52,7 +54,18 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-@cuda_compiled
+# Rows from which silu_mul takes the Triton kernel (a prefill's chunk) over the compiled one.
+SILU_MUL_KERNEL_ROWS = 1024
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.shape[0] >= SILU_MUL_KERNEL_ROWS \
+            and gate_up.stride(1) == 1:
+        return silu_mul_triton(gate_up)
+    return _silu_mul(gate_up)
+
+
+@cuda_compiled
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
