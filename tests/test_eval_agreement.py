@@ -19,6 +19,10 @@ def test_agreement_cli_small(tmp_path, capsys):
         assert len(d["per_layer"]) == 30 and all(0 <= v <= 1 for v in d["per_layer"])
         assert abs(d["mean"] - sum(d["per_layer"]) / 30) < 1e-9
     assert res["drafters"]["oracle"]["mean"] == 1.0  # in both modes, every layer
+    for mode in ("greedy", "sampled"):  # the step log: the oracle's draft is always the real token
+        o = res["by_draft"]["oracle"][mode]
+        assert o["right"] == {"steps": 6, "agreement": 1.0} and o["wrong"]["steps"] == 0 and not o["wrong_at_steps"]
+        assert [e["step"] for e in o["log"]] == list(range(6))
     for mode in ("greedy", "sampled"):
         assert res["by_mode"][mode]["agreement"]["oracle"]["2"]["min"] == 1.0
         cov = res["by_mode"][mode]["coverage"]

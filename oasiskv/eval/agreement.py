@@ -111,6 +111,8 @@ def run_agreement(args) -> int:
                     for mode in MODES},
         "pooled": summarize(pooled, args.ks),
     }
+    results["by_draft"] = {d: draft_outcomes({m: by_mode[m][d].finish() for m in MODES}, args.k)
+                           for d in runs if d != "prev"}
     head = results["pooled"]["agreement"]
     results["drafters"] = {d: {"mean": head[d][str(args.k)]["mean"], "per_layer": head[d][str(args.k)]["per_layer"]}
                            for d in args.drafters}
@@ -124,6 +126,22 @@ def run_agreement(args) -> int:
     else:
         print_agreement_tables(results)
     return 0
+
+
+def draft_outcomes(logs: dict, k: int) -> dict:
+    """Per mode, a drafter's checked steps split by whether the draft token was the real one:
+    the mean agreement at K of each part, and the steps (their index in each request's run)
+    where the draft was wrong: early ones are cold starts, later ones a chain that broke."""
+    out = {}
+    for mode, log in logs.items():
+        parts = {}
+        for name, right in (("right", True), ("wrong", False)):
+            steps = [e for e in log if e["draft_right"] is right]
+            parts[name] = {"steps": len(steps), "agreement": (sum(e["agreement"][str(k)] for e in steps) / len(steps)
+                                                              if steps else None)}
+        parts["wrong_at_steps"] = [e["step"] for e in log if e["draft_right"] is False]
+        out[mode] = parts | {"log": log}
+    return out
 
 
 def print_agreement_tables(res: dict) -> None:
@@ -145,6 +163,12 @@ def print_agreement_tables(res: dict) -> None:
     print("\ndraft acceptance: " + ", ".join(f"{m}: " + ", ".join(
         f"{d} {a:.3f}" for d, a in res["by_mode"][m]["draft_acceptance"].items() if a is not None)
         for m in MODES))
+    for d, modes in res.get("by_draft", {}).items():
+        for mode, o in modes.items():
+            right, wrong = o["right"], o["wrong"]
+            fmt = lambda a: "-" if a is None else f"{100 * a:.1f}%"  # noqa: E731
+            print(f"{d} {mode}: draft right {right['steps']} steps, agreement {fmt(right['agreement'])}; "
+                  f"wrong {wrong['steps']} steps, agreement {fmt(wrong['agreement'])}, at steps {o['wrong_at_steps']}")
     print(f"\nper layer, K={k}, both modes pooled: agreement of each drafter; coverage of the Quest top-K")
     drafters = list(res["drafters"])
     print("| layer | " + " | ".join(drafters) + " | quest mass | best mass |")

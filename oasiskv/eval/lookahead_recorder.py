@@ -33,7 +33,13 @@ class LookaheadRecorder:
         self.agreement = {p: np.zeros((num_layers, nk)) for p in self.predictors}  # sums over steps
         self.coverage = {p: np.zeros((num_layers, nk)) for p in ["quest", "best"] + self.predictors}
         self.steps = np.zeros(num_layers, dtype=np.int64)
-        self._pending: dict[tuple[int, int], tuple] = {}  # (id(ws), layer) -> (ws, cached, preds)
+        self._pending: dict[tuple[int, int], tuple] = {}  # (id(ws), layer) -> (ws, cached, preds, draft)
+        # One entry per checked step of a request: its index in the request's run, whether the
+        # draft token was the real one (None without a draft token), the drafter's agreement
+        # per K averaged over the layers (what tells a cold start from a chain that breaks).
+        self.step_log: list[dict] = []
+        self._open: dict[tuple[int, int], dict] = {}  # (id(ws), cached) -> the entry being filled
+        self._runs: dict[int, tuple] = {}  # id(ws) -> (ws, index of its last checked step)
 
     def __call__(self, layer: int, q: torch.Tensor, hooks) -> None:
         m, Q = hooks.manager, hooks.query_len
@@ -48,11 +54,40 @@ class LookaheadRecorder:
                 mass = block_attention_mass(m, r.ws, layer, q_now, r.cached)
                 self._score(layer, entry[2], truth, mass, m.cfg.sink_blocks,
                             r.ws.window_start(r.cached, m.block_size))
+                self._log_step(r.ws, r.cached, entry[3], entry[2][self.drafter], truth)
             preds = {self.drafter: predicted_blocks(m, r.ws, layer, q[r.batch_index * Q + draft_row],
                                                     r.cached + 1, self.ks[-1])}
             if "prev" not in preds:
                 preds["prev"] = predicted_blocks(m, r.ws, layer, q_now, r.cached + 1, self.ks[-1])
-            self._pending[key] = (r.ws, r.cached + 1, preds)
+            self._pending[key] = (r.ws, r.cached + 1, preds, r.ws.draft if draft_row else None)
+
+    def _log_step(self, ws, cached: int, draft: int | None, pred: torch.Tensor, truth: torch.Tensor) -> None:
+        """Adds one layer's agreement to the step's entry (the step's real token is the last of
+        the request's history by now: the token this step processes)."""
+        entry = self._open.get((id(ws), cached))
+        if entry is None:
+            for done in [k for k in self._open if k[0] == id(ws)]:  # the request's last step
+                self.step_log.append(self._close(self._open.pop(done)))
+            seen, before = self._runs.get(id(ws), (None, -1))
+            step = before + 1 if seen is ws else 0  # holding ws keeps its id from a new request
+            self._runs[id(ws)] = (ws, step)
+            last = ws.history.tail(1) if ws.history is not None else ()
+            right = None if draft is None or not len(last) else draft == int(last[0])
+            entry = self._open[(id(ws), cached)] = {"step": step, "draft_right": right,
+                                                    "sums": np.zeros(len(self.ks)), "layers": 0}
+        for i, k in enumerate(self.ks):
+            entry["sums"][i] += overlap(pred[:, :k], truth[:, :k])
+        entry["layers"] += 1
+
+    def _close(self, entry: dict) -> dict:
+        return {"step": entry["step"], "draft_right": entry["draft_right"],
+                "agreement": {str(k): round(float(v / entry["layers"]), 4) for k, v in zip(self.ks, entry["sums"])}}
+
+    def finish(self) -> list[dict]:
+        """The step log, every open entry closed (call after the run)."""
+        self.step_log += [self._close(e) for e in self._open.values()]
+        self._open.clear()
+        return self.step_log
 
     def _score(self, layer, preds, truth, mass, num_sink, window_start) -> None:
         static = mass[:, :num_sink].sum(1) + mass[:, window_start:].sum(1)  # always resident
