@@ -19,7 +19,8 @@ MODES = ("greedy", "sampled")
 
 def add_agreement_args(p) -> None:
     p.add_argument("--texts", nargs="+", default=["code", "prose"],
-                   help="code (Python's typing module), prose (a license text) or file paths")
+                   help="code (Python's typing module), prose (a license text), manual (the language "
+                        "reference's topics, ~100K tokens of English) or file paths")
     p.add_argument("--context-len", type=int, default=6000, help="prompt tokens of each text")
     p.add_argument("--steps", type=int, default=32, help="decode steps measured per text and mode")
     p.add_argument("--ks", type=int, nargs="+", default=[16, 32, 64], help="top-K sizes (blocks)")

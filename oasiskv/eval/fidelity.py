@@ -31,7 +31,8 @@ class DenseReference:
 
 def add_fidelity_args(p) -> None:
     p.add_argument("--texts", nargs="+", default=["code", "prose"],
-                   help="code (Python's typing module), prose (a license text) or file paths")
+                   help="code (Python's typing module), prose (a license text), manual (the language "
+                        "reference's topics, ~100K tokens of English) or file paths")
     p.add_argument("--context-len", type=int, default=4000, help="prompt tokens of each text")
     p.add_argument("--forced-tokens", type=int, default=256, help="teacher-forced tokens per text")
     p.add_argument("--free-tokens", type=int, default=64, help="greedy tokens per text (0: skip)")
