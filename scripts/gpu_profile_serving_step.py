@@ -27,7 +27,8 @@ from oasiskv.sampling_params import SamplingParams
 CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N attention splits (s0: by waves), "
               "/fN /tN foreground / transfer stream priority -N, /FN the stages fork after STAGE_FORKS[N] "
               "(attention, o_proj, mlp), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), "
-              "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly)")
+              "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly), "
+              "/bN bounds-scan programs per (request, kv head) (default 3; fewer hold fewer SMs at once)")
 
 
 def timed(obj, name, into):
@@ -110,6 +111,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     sparse = budget != "dense"
     from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
     pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
+    pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", 3)  # b: bounds-scan programs a (request, kv head)
     from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
     fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
