@@ -111,7 +111,10 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     sparse = budget != "dense"
     from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
     pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
-    pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", 3)  # b: bounds-scan programs a (request, kv head)
+    # b: bounds-scan programs a (request, kv head); the module's own default otherwise
+    default_b = getattr(pipeline_module, "_DEFAULT_BOUNDS_PROGRAMS", pipeline_module.BOUNDS_PROGRAMS_PER_HEAD)
+    pipeline_module._DEFAULT_BOUNDS_PROGRAMS = default_b
+    pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", default_b)
     from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
     fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
