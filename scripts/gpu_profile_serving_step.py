@@ -22,6 +22,7 @@ import torch
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sparse.pipeline import BOUNDS_PROGRAMS_PER_HEAD as DEFAULT_BOUNDS_PROGRAMS
 
 
 CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N attention splits (s0: by waves), "
@@ -111,10 +112,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     sparse = budget != "dense"
     from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
     pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
-    # b: bounds-scan programs a (request, kv head); the module's own default otherwise
-    default_b = getattr(pipeline_module, "_DEFAULT_BOUNDS_PROGRAMS", pipeline_module.BOUNDS_PROGRAMS_PER_HEAD)
-    pipeline_module._DEFAULT_BOUNDS_PROGRAMS = default_b
-    pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", default_b)
+    pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", DEFAULT_BOUNDS_PROGRAMS)  # b: per (request, kv head)
     from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
     fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
