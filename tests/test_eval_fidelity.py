@@ -1,6 +1,7 @@
 """`oasiskv eval fidelity` and `eval ablation` at tiny sizes on the real default model, and the
 teacher-forcing logits processor they rest on."""
 import json
+import math
 
 import torch
 
@@ -32,6 +33,9 @@ def test_fidelity_cli_small(tmp_path, capsys):
     assert res["top1_agreement"] == 1.0 and res["kl_mean"] < 1e-6
     assert abs(res["ppl_ratio"] - 1) < 1e-4
     assert res["free_running_identical_tokens"] == [4]
+    steps = res["per_step"]
+    assert all(len(v) == 5 for v in steps.values()) and all(steps["top1_same"])
+    assert abs(sum(steps["nll_dense"]) / 5 - math.log(res["ppl_dense"])) < 1e-4
     assert "top-1 agreement" in capsys.readouterr().out
 
 

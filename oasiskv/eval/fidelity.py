@@ -80,8 +80,8 @@ def compare(ref: DenseReference, logprobs: list[torch.Tensor], free: list[list[i
     d = torch.cat([lp[1:] for lp in ref.logprobs])
     s = torch.cat([lp[1:] for lp in logprobs])
     t = torch.tensor([tok for c in ref.continuations for tok in c[1:]])
-    nll_d = -d.gather(1, t[:, None]).mean()
-    nll_s = -s.gather(1, t[:, None]).mean()
+    step_nll_d, step_nll_s = -d.gather(1, t[:, None])[:, 0], -s.gather(1, t[:, None])[:, 0]
+    nll_d, nll_s = step_nll_d.mean(), step_nll_s.mean()
     kl = (d.exp() * (d - s)).sum(-1)
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                   for x, y in zip(ref.free_tokens, free)]
@@ -89,7 +89,12 @@ def compare(ref: DenseReference, logprobs: list[torch.Tensor], free: list[list[i
             "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
             "ppl_dense": math.exp(float(nll_d)), "ppl_sparse": math.exp(float(nll_s)),
             "ppl_ratio": math.exp(float(nll_s - nll_d)),
-            "free_running_identical_tokens": first_diff}
+            "free_running_identical_tokens": first_diff,
+            # per scored step, texts in order: where a perplexity ratio comes from
+            "per_step": {"kl": [round(float(x), 5) for x in kl],
+                         "nll_dense": [round(float(x), 5) for x in step_nll_d],
+                         "nll_sparse": [round(float(x), 5) for x in step_nll_s],
+                         "top1_same": (d.argmax(-1) == s.argmax(-1)).tolist()}}
 
 
 def measure_sparse(llm, ref: DenseReference, free_tokens: int) -> dict:
