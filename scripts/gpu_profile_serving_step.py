@@ -25,7 +25,7 @@ from oasiskv.sampling_params import SamplingParams
 from oasiskv.sparse.pipeline import BOUNDS_PROGRAMS_PER_HEAD as DEFAULT_BOUNDS_PROGRAMS
 
 
-CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N attention splits (s0: by waves), "
+CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N attention splits, "
               "/fN /tN foreground / transfer stream priority -N, /FN the stages fork after STAGE_FORKS[N] "
               "(attention, o_proj, mlp), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), "
               "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly), "
@@ -127,8 +127,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
            "max_model_len": cfg.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
     p = engine.runner.pipeline
     if p is not None and knobs:
-        if "s" in knobs:  # s0: by waves (`LookaheadPipeline.splits_for`)
-            p.attention_splits = knobs["s"] or "waves"
+        if "s" in knobs:
+            p.attention_splits = knobs["s"]
         if "f" in knobs:
             p.foreground_priority = -knobs["f"]
         if "t" in knobs:

@@ -202,13 +202,6 @@ def test_every_layer_offers_its_fork_points_in_order(monkeypatch):
     assert seen == per_step * (len(seen) // len(per_step))
 
 
-def test_wave_filling_splits_fill_the_last_wave():
-    from oasiskv.sparse.pipeline import wave_filling_splits
-    assert wave_filling_splits(24 * 8, 128) == 2  # 192 programs: 2 half-empty waves unsplit, 3 full ones split
-    assert wave_filling_splits(16 * 8, 128) == 1 and wave_filling_splits(48 * 8, 128) == 1  # already full
-    assert wave_filling_splits(8, 128) == 4  # one request: as many splits as allowed
-
-
 def test_pipeline_request_runs_to_the_model_length():
     """A sparse request decodes on the pipeline until `max_model_len` (its last steps' scan is the
     model's full width, not beyond it) and ends with "length"."""

@@ -41,7 +41,7 @@ class SparseDecodeStep:
         t = p.step_tables(self.max_position)  # before begin_step: it keeps the last step's write-through
         p.begin_step()
         meta = AttentionMetadata(write_slots=t.write_slots, write_offsets=t.write_offsets, slot_tables=t.slot_tables,
-                                 cache_lens=t.cache_lens, query_len=2, num_splits=p.splits_for(R),
+                                 cache_lens=t.cache_lens, query_len=2, num_splits=p.attention_splits,
                                  num_stages=p.attention_stages, fused_merge=p.attention_fused_merge, hooks=p)
         hidden = self.model(self.ids, t.positions, self.kv_caches, meta)
         p.join()

@@ -34,7 +34,6 @@ never needs the host to know which blocks are resident.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -113,16 +112,6 @@ def scan_buckets(max_blocks: int) -> list[int]:
     return widths + [max_blocks]
 
 
-def wave_filling_splits(programs: int, sms: int, most: int = 4) -> int:
-    """Splits per (request, kv head) for `programs` of them on `sms` SMs, one program an SM at a
-    time (the working-set attention's stages take most of an SM's shared memory): the count of
-    1..most whose last wave is fullest, the fewest splits among equals."""
-    def fill(s: int) -> float:
-        n = programs * s
-        return n / (math.ceil(n / sms) * sms)
-    return max(range(1, most + 1), key=lambda s: (round(fill(s), 2), -s))
-
-
 def stages_fork(max_blocks: int) -> str:
     """The part of each layer after which a pipelined step's stages start, for requests of up
     to `max_blocks` blocks (the width of the bounds scan)."""
@@ -173,8 +162,7 @@ class LookaheadPipeline:
             raise ValueError("disaggregated rows move through the uva transfer backend only")
         self.remote = remote
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
-        # None: the kernel's choice; "waves": per batch bucket, the fullest last wave (`splits_for`)
-        self.attention_splits: int | str | None = WORKING_SET_SPLITS
+        self.attention_splits = WORKING_SET_SPLITS  # None: the kernel's choice
         self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
         self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
         self.stages_fork = stages_fork(max_blocks)  # the part of a layer after which its stages start
@@ -249,14 +237,6 @@ class LookaheadPipeline:
         self.last_write = WriteThrough(torch.zeros(R, dtype=torch.bool, device=dev),
                                        torch.zeros(R, dtype=torch.long, device=dev),
                                        torch.zeros(R, dtype=torch.long, device=dev))
-
-    def splits_for(self, rows: int) -> int | None:
-        """The working-set attention's splits for a step of `rows` rows (`attention_splits`, or
-        by waves: the SMs the transfer's programs leave)."""
-        if self.attention_splits != "waves":
-            return self.attention_splits
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
-        return wave_filling_splits(rows * self.H, max(1, sms - self.transfer_programs))
 
     def set_scan(self, blocks: int) -> None:
         """The steps built from now on scan `blocks` blocks per request (every request of the
