@@ -29,7 +29,9 @@ CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N
               "/fN /tN foreground / transfer stream priority -N, /FN the stages fork after STAGE_FORKS[N] "
               "(attention, o_proj, mlp), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), "
               "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly), "
-              "/bN bounds-scan programs per (request, kv head) (default 3; fewer hold fewer SMs at once)")
+              "/bN bounds-scan programs per (request, kv head) (default 3; fewer hold fewer SMs at once), "
+              "/mN at most N bounds-scan programs at once, "
+              "/pN only the first N stages run (p0: none, p1: predict, p2: + select; benchmarks only)")
 
 
 def timed(obj, name, into):
@@ -100,9 +102,25 @@ def gap_overlaps(streams: dict, fg, steps: int, min_gap_us: float = 5.0) -> dict
         empty += (g1 - g0) - busy
     top = sorted(overlap.items(), key=lambda kv: -kv[1])[:8]
     return {"gaps_per_step": round(len(gaps) / steps, 1),
+            "examples": gap_examples(streams, fg, gaps),
             "gap_us_per_step": round(sum(g1 - g0 for g0, g1 in gaps) / steps, 1),
             "nothing_running_us_per_step": round(empty / steps, 1),
             "overlapping_us_per_step": {k: round(v / steps, 1) for k, v in top}}
+
+
+def gap_examples(streams: dict, fg, gaps: list, count: int = 3, before_us: float = 40.0) -> list:
+    """A few foreground gaps from the middle of the trace, each with every kernel on any stream
+    that ran from `before_us` before it to its end: (stream, start and end in us from the gap's
+    start, name), to see what the foreground's next kernel started after."""
+    out = []
+    for g0, g1 in gaps[len(gaps) // 2:len(gaps) // 2 + count]:
+        seen = sorted((e for es in streams.values() for e in es
+                       if e["ts"] < g1 + 5 and e["ts"] + e["dur"] > g0 - before_us), key=lambda e: e["ts"])
+        out.append({"gap_us": round(g1 - g0, 1),
+                    "kernels": [(str(e["args"].get("stream")) + ("*" if e["args"].get("stream") == fg else ""),
+                                 round(e["ts"] - g0, 1), round(e["ts"] + e["dur"] - g0, 1), e["name"][:40])
+                                for e in seen]})
+    return out
 
 
 def run_case(a, case: str, out_dir: str | None) -> dict:
@@ -113,6 +131,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
     pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
     pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", DEFAULT_BOUNDS_PROGRAMS)  # b: per (request, kv head)
+    pipeline_module.BOUNDS_MAX_PROGRAMS = knobs.get("m")  # m: programs at once
     from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
     fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
@@ -133,6 +152,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
             p.foreground_priority = -knobs["f"]
         if "t" in knobs:
             p.streams[2] = torch.cuda.Stream(p.device, priority=-knobs["t"])
+        if "p" in knobs:  # the stages that run: the foreground's cost without the rest
+            p.stages, p.prefetch = knobs["p"], knobs["p"] > 0
         if "c" in knobs:  # the GEMMs' SM carve-out; negative: torch's BLAS settings as they are
             p.gemm_sm_carveout = knobs["c"] if knobs["c"] >= 0 else None
         engine.runner.pipeline_steps.clear()  # the steps captured at start-up: built again with them
