@@ -49,3 +49,38 @@ def test_next_drafts_and_append_follow_the_host_rules():
             hist.append(int(tokens[i]))
             want = next_draft(drafter, hist, int(drafts[i]), int(tokens[i]), int(guesses[i]))
             assert got[i].item() == (int(tokens[i]) if want is None else want), (drafter, toks)
+
+
+def kernel_matches_torch() -> dict:
+    """Runs under Triton's interpreter (a subprocess): `draft_lookup` against the torch rule on
+    random histories, windows of 24 (one tile) and 3,000 (three tiles, the last partial)."""
+    from oasiskv.kernels.draft_lookup import draft_lookup
+    from oasiskv.sparse.drafters import LOOKUP_MAX_N
+    gen = torch.Generator().manual_seed(2)
+    out = {}
+    for W, B in ((24, 48), (3000, 6)):
+        histories = [torch.randint(0, int(torch.randint(2, 9, (1,), generator=gen)),
+                                   (int(torch.randint(1, W + 40, (1,), generator=gen)),), generator=gen).tolist()
+                     for _ in range(B)] + [[5], [5, 5], [1, 2, 3], list(range(W))]
+        h, lengths = _right_aligned(histories, W)
+        n = len(histories)
+        tokens = torch.randint(0, 4, (n,), generator=gen)
+        drafts = torch.where(torch.rand(n, generator=gen) < 0.5, tokens, tokens + 1)
+        guesses = torch.randint(0, 4, (n,), generator=gen)
+        for drafter in ("self", "ngram"):
+            want = device_drafts.next_drafts(drafter, h, lengths, drafts, tokens, guesses)
+            got = draft_lookup(drafter, h, lengths, drafts, tokens, guesses, LOOKUP_MAX_N)
+            out[f"{drafter}_W{W}"] = torch.equal(got, want)
+    return out
+
+
+def test_draft_lookup_kernel_matches_torch():
+    from triton_interpreter import run_under_interpreter
+    assert run_under_interpreter(__file__) == {f"{d}_W{W}": True for W in (24, 3000) for d in ("self", "ngram")}
+
+
+if __name__ == "__main__":
+    import json
+    import os
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
+    print(json.dumps(kernel_matches_torch()))

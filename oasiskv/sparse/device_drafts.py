@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from oasiskv.kernels import draft_lookup
 from oasiskv.sparse.drafters import LOOKUP_MAX_N
+
+# On CUDA the rule runs as one kernel (`kernels.draft_lookup`) instead of ~50 small torch launches.
+LOOKUP_KERNEL = True
 
 
 def propose(history: torch.Tensor, lengths: torch.Tensor, max_n: int = LOOKUP_MAX_N):
@@ -40,6 +44,8 @@ def next_drafts(drafter: str, history: torch.Tensor, lengths: torch.Tensor, draf
     the draft rows' own tokens."""
     if drafter not in ("self", "ngram"):
         return tokens  # prev / ondemand run no draft: the row repeats the token
+    if LOOKUP_KERNEL and history.is_cuda and draft_lookup.triton is not None:
+        return draft_lookup.draft_lookup(drafter, history, lengths, drafts, tokens, guesses, LOOKUP_MAX_N)
     proposal, found = propose(history, lengths)
     fallback = torch.where(found, proposal, tokens)
     if drafter == "ngram":
