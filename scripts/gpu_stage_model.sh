@@ -1,45 +1,56 @@
 #!/usr/bin/env bash
-# The default model's GGUF (98 MB) on the GPU machine, which takes at most 64 MiB a run and keeps
-# ignored files only while it stays warm (~30 s between runs): two halves over two back-to-back
-# runs, joined and checked there, then the real-weights check (scripts/gpu_real_weights.py) and a
-# small `bench serve --dataset-name text` against a dense and a sparse server on those weights.
+# A model's GGUF on the GPU machine, which takes at most 64 MiB a run and keeps ignored files
+# only while it stays warm (~30 s between runs): N parts over N back-to-back runs, joined and
+# checked there. Then, by PARTS: the real-weights check (scripts/gpu_real_weights.py), a small
+# `bench serve --dataset-name text` against a dense and a sparse server on those weights, the
+# disaggregated pipeline's checks, or the accuracy evaluations at 32K.
 #
-#   bash scripts/gpu_stage_model.sh split     # here: .gpu_stage/part1, part2, its sha256 and the
+# The default model (98 MB, two parts):
+#   bash scripts/gpu_stage_model.sh split     # here: .gpu_stage/part1, part2, model.sha256 and the
 #                                             # CPU in-line path's tokens (a few minutes)
 #   run(carry=[".gpu_stage/part1"], command="bash scripts/gpu_stage_model.sh receive")
-#   run(carry=[".gpu_stage/part2", ".gpu_stage/part2.sha256", ".gpu_stage/expected.json", ".gpu_site"],
-#       command="bash scripts/gpu_stage_model.sh check")   # at once; `receive` again if part1 was gone
+#   run(carry=[".gpu_stage/part2", ".gpu_stage/model.sha256", ".gpu_stage/expected.json", ".gpu_site"],
+#       command="bash scripts/gpu_stage_model.sh check")   # at once; `receive` again if a part was gone
+# Qwen2.5-Coder-0.5B (491 MB, eight parts; `oasiskv download qwen2.5-coder-0.5b` first):
+#   STAGE_GGUF=$(ls ~/.cache/oasiskv/qwen2.5-coder-0.5b/*.gguf) STAGE_PARTS=8 bash scripts/gpu_stage_model.sh split
+#   run(carry=[".gpu_stage/part1"], command="bash scripts/gpu_stage_model.sh receive")   # ... part7
+#   run(carry=[".gpu_stage/part8", ".gpu_stage/model.sha256"],
+#       command="PARTS=accuracy bash scripts/gpu_stage_model.sh check")
 #
-# PARTS picks what `check` runs (default "weights serve"): weights = gpu_real_weights.py check,
-# serve = the real-text bench serve, dense then sparse (up to 8 minutes), disagg = the
-# disaggregated pipeline's GPU checks (scripts/gpu_check_disagg_pipeline.py, ~3 minutes), which
-# need the default model: the staged file stands in for it (OASISKV_DEFAULT_GGUF).
+# PARTS picks what `check` runs (default "weights serve"): weights = gpu_real_weights.py check
+# (the default model), serve = the real-text bench serve, dense then sparse (up to 8 minutes),
+# disagg = the disaggregated pipeline's GPU checks (scripts/gpu_check_disagg_pipeline.py, ~3
+# minutes), which need the default model: the staged file stands in for it (OASISKV_DEFAULT_GGUF);
+# accuracy = passkey (one and four keys) and fidelity at 32K tokens, dense against sparse at
+# K = 128 and 32, float32 on the GPU (for a 32K-context model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=.gpu_stage
 case "${1:-}" in
 split)
   PY=${PYTHON:-.venv/bin/python}
-  gguf=$("$PY" -c "from oasiskv.models.loader import default_model_path; print(default_model_path())")
+  gguf=${STAGE_GGUF:-$("$PY" -c "from oasiskv.models.loader import default_model_path; print(default_model_path())")}
+  n=${STAGE_PARTS:-2}
+  rm -rf "$STAGE"
   mkdir -p "$STAGE"
-  size=$(stat -c %s "$gguf")
-  half=$(( (size + 1) / 2 ))
-  head -c "$half" "$gguf" > "$STAGE/part1"
-  tail -c +$(( half + 1 )) "$gguf" > "$STAGE/part2"
-  sha256sum "$gguf" | cut -d' ' -f1 > "$STAGE/part2.sha256"  # travels with part2
-  "$PY" scripts/gpu_real_weights.py record --output "$STAGE/expected.json"
+  split -n "$n" -a 1 --numeric-suffixes=1 "$gguf" "$STAGE/part"  # part1 .. partN, in order
+  sha256sum "$gguf" | cut -d' ' -f1 > "$STAGE/model.sha256"  # travels with the last part
+  echo "$n" > "$STAGE/parts"
+  [ -z "${STAGE_GGUF:-}" ] && "$PY" scripts/gpu_real_weights.py record --output "$STAGE/expected.json"
   ls -l "$STAGE"
   ;;
 receive)
   ls -l "$STAGE"
   ;;
 check)
-  [ -f "$STAGE/part1" ] || { echo "part1 is gone (the machine went cold): run receive again" >&2; exit 3; }
+  parts=$(ls "$STAGE"/part[0-9]* | sort -V)
+  echo "parts here:" $parts
   OUT=${OUT:-out}
   mkdir -p "$OUT"
-  cat "$STAGE/part1" "$STAGE/part2" > "$STAGE/model.gguf"
+  cat $parts > "$STAGE/model.gguf"
   got=$(sha256sum "$STAGE/model.gguf" | cut -d' ' -f1)
-  [ "$got" = "$(cat "$STAGE/part2.sha256")" ] || { echo "sha256 mismatch: $got" >&2; exit 4; }
+  [ "$got" = "$(cat "$STAGE/model.sha256")" ] || {
+    echo "sha256 mismatch ($got): a part is missing (the machine went cold?): receive them again" >&2; exit 4; }
   echo "model.gguf assembled, sha256 $got"
   PARTS=${PARTS:-weights serve}
   export OASISKV_CACHE_DIR=$PWD/$STAGE/cache PYTHONPATH=.:.gpu_site OASISKV_DEFAULT_GGUF=$PWD/$STAGE/model.gguf
@@ -50,6 +61,17 @@ check)
   case " $PARTS " in *" weights "*)
     python3 scripts/gpu_real_weights.py check --gguf "$STAGE/model.gguf" --expected "$STAGE/expected.json" \
       --output "$OUT/real_weights.json" 2>&1 | tee "$OUT/real_weights.log" ;;
+  esac
+  case " $PARTS " in *" accuracy "*)
+    eval_flags=(--model "$STAGE/model.gguf" --device cuda --dtype float32)
+    timeout 240 python3 -m oasiskv.entrypoints.cli eval passkey "${eval_flags[@]}" --context-len 32000 \
+      --depths 0.1 0.5 0.9 --seeds 0 --drafters self self:top_k_blocks=32 \
+      --output-json "$OUT/passkey_32k.json" 2>&1 | tail -12
+    timeout 240 python3 -m oasiskv.entrypoints.cli eval passkey "${eval_flags[@]}" --context-len 32000 --keys 4 \
+      --depths 0.1 0.5 0.9 --seeds 0 --drafters self self:top_k_blocks=32 \
+      --output-json "$OUT/passkey_multikey4_32k.json" 2>&1 | tail -12
+    timeout 240 python3 -m oasiskv.entrypoints.cli eval fidelity "${eval_flags[@]}" --texts code --context-len 32000 \
+      --forced-tokens 128 --free-tokens 0 --output-json "$OUT/fidelity_32k_k128.json" 2>&1 | tail -12 ;;
   esac
   case " $PARTS " in *" serve "*) ;; *) exit 0 ;; esac
   # A small `bench serve` on real text, dense then sparse, each server started by the bench.

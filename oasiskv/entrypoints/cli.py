@@ -67,6 +67,11 @@ def _serve(args) -> int:
     return run_server(args)
 
 
+def _proxy(args) -> int:
+    from oasiskv.entrypoints.proxy import run_proxy
+    return run_proxy(args)
+
+
 def format_kv_stats(out, engine) -> str:
     """Where the KV lived and what moved, for a request that decoded sparse."""
     st, mc, r = out.stats, engine.runner.model_config, engine.runner
@@ -128,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     add_disagg_args(s)
     s.set_defaults(func=_serve)
 
-    from oasiskv.entrypoints.proxy import add_proxy_args, run_proxy
+    from oasiskv.entrypoints.proxy_args import add_proxy_args
     x = sub.add_parser("proxy", help="the OpenAI API in front of prefill and decode servers (disaggregation)")
     add_proxy_args(x)
-    x.set_defaults(func=run_proxy)
+    x.set_defaults(func=_proxy)
 
     from oasiskv.bench.decode import add_decode_args, run_decode_bench
     from oasiskv.bench.prefix import add_prefix_args, run_prefix_bench

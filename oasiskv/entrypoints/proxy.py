@@ -135,16 +135,6 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
     return app
 
 
-def add_proxy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="append", required=True, metavar="URL",
-                   help="a prefill server (oasiskv serve --role prefill); repeat for several")
-    p.add_argument("--decode", action="append", required=True, metavar="URL",
-                   help="a decode server (oasiskv serve --role decode); repeat for several")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
 def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
