@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -57,3 +58,14 @@ def metrics(base: str) -> dict[str, float]:
             name = re.sub(r',?model_name="[^"]*",?', ",", name).replace("{,", "{").replace(",}", "}").replace("{}", "")
             values[name] = float(value)
     return values
+
+
+def wait_idle(base: str, timeout: float = 120) -> None:
+    """Until the server runs and queues no request (an earlier test's may still be finishing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(base)
+        if m.get("oasiskv:num_requests_running", 0) == 0 and m.get("oasiskv:num_requests_waiting", 0) == 0:
+            return
+        assert time.monotonic() < deadline, "the server stayed busy"
+        time.sleep(0.2)

@@ -15,7 +15,7 @@ import time
 import urllib.request
 
 import pytest
-from server_client import call, free_port, metrics, stream_events
+from server_client import call, free_port, metrics, stream_events, wait_idle
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.engine.llm_engine import RequestOutput
@@ -446,6 +446,7 @@ def test_bench_serve_on_real_text(base, tmp_path):
     from oasiskv.entrypoints.cli import main
 
     port = int(base.rsplit(":", 1)[1])
+    wait_idle(base)  # the server's counters are its own: no other request may finish during the bench
     rc = main(["bench", "serve", "--port", str(port), "--dataset-name", "text", "--num-prompts", "3",
                "--random-input-len", "200", "--random-output-len", "12", "--ignore-eos",
                "--result-dir", str(tmp_path), "--result-filename", "bench.json"])

@@ -226,10 +226,10 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
             last = self._last_output.get(out.request_id)
-            if self.metrics is not None:
+            if self.metrics is not None:  # before the client can see it: /metrics then counts what it saw
                 self.metrics.observe_output(out, None if last is None else now - last)
+            stream.put(out)
             self._last_output[out.request_id] = now
             if out.finished:
                 del self._streams[out.request_id]
