@@ -102,7 +102,8 @@ def check_qkv_epilogue(dtype, fold=None, norm=True, R=16, Q=2):
     qw, kw = ((1 + 0.1 * torch.randn(D, device=DEV)).to(dtype) for _ in range(2)) if norm else (None, None)
     pool = torch.randn(T * HKV + 5, 2, BS, D, device=DEV, dtype=dtype)
     slots = torch.randperm(pool.shape[0], device=DEV)[:T * HKV].view(T, HKV).int()
-    slots[1::Q] = -1
+    if Q > 1:
+        slots[1::Q] = -1  # draft rows are not stored
     offsets = torch.randint(0, BS, (T,), device=DEV).int()
     folds = [None, None]
     if fold:
@@ -123,7 +124,7 @@ def check_qkv_epilogue(dtype, fold=None, norm=True, R=16, Q=2):
         a, b = folds[1], folds[0]
         err = max(err, rel_err(a.kmin, b.kmin), rel_err(a.kmax, b.kmax), rel_err(a.draft_to.nan_to_num(1e4), b.draft_to))
         written = not a.draft_to.isnan().any().item()
-    record(f"qkv epilogue {str(dtype)[6:]} norm {norm} fold {fold}", err, 1e-2 if dtype != torch.float32 else 1e-5, written)
+    record(f"qkv epilogue {str(dtype)[6:]} norm {norm} fold {fold} tokens {T}", err, 1e-2 if dtype != torch.float32 else 1e-5, written)
 
 
 def check_step_tables(L=36, R=16, H=HKV, S=1, K=128, W=4):
@@ -239,6 +240,7 @@ def main():
         for fold in (None, "kv", "fp8"):
             guarded(check_qkv_epilogue, dtype, fold)
     guarded(check_qkv_epilogue, torch.bfloat16, None, norm=False)
+    guarded(check_qkv_epilogue, torch.bfloat16, None, R=4099, Q=1)  # a prefill-sized launch: tokens a program
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for G, Q, ctx in [(1, 1, 300), (3, 2, 700), (4, 1, 1000), (8, 4, 257)]:
             guarded(check_decode, 3, 2, G, Q, ctx, dtype)

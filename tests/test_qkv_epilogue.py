@@ -22,6 +22,9 @@ CASES = {  # id: (rows R, Q, Hq, Hkv, D, dtype, q/k norm, fold: None | "kv" | "f
     "norm_fp32_q2_fp8_fold_copy_token": (4, 2, 4, 1, 128, torch.float32, True, "fp8", 0),
     "fp16_q2_fold_no_copy": (2, 2, 2, 2, 32, torch.float16, False, "kv", None),
     "fp16_q2_fp8_fold_saturates": (3, 2, 4, 2, 32, torch.float16, False, "fp8", 1),  # keys past +-448
+    # Prefill-sized launches (lowered here to 4 tokens): 3 tokens a program, the last one partial.
+    "prefill_norm_fp32_7_tokens": (7, 1, 4, 2, 64, torch.float32, True, None, 0),
+    "prefill_fp16_q2_fold_copy_10_tokens": (5, 2, 6, 2, 64, torch.float16, True, "kv", 1),
 }
 
 
@@ -84,8 +87,10 @@ def fp8_fold_as_interpreted(f_ref: SummaryFold, keys: torch.Tensor) -> None:
 
 
 def run_interpreter_cases() -> dict[str, float]:
+    from oasiskv.kernels import qkv_epilogue as module
     errors = {}
     for name, (R, Q, Hq, Hkv, D, dtype, norm, fold, draft) in CASES.items():
+        module.PREFILL_ROWS, module.PREFILL_TOKENS_PER_PROGRAM = (4, 3) if name.startswith("prefill") else (1024, 8)
         qkv, pos, cos, sin, qw, kw, cache, slots, offsets, f = make_case(R, Q, Hq, Hkv, D, dtype, norm, fold, draft,
                                                                          len(name))
         cache_ref, f_ref = cache.clone(), clone_fold(f)

@@ -15,6 +15,10 @@ import torch
 from oasiskv.kernels.reference import store_kv_ref
 from oasiskv.layers.fused import rms, rotate_half
 
+# A prefill-sized launch (from PREFILL_ROWS tokens) gives each program this many tokens of a head,
+# so a 32K-token chunk is not 1.3M programs of 256 bytes each.
+PREFILL_ROWS, PREFILL_TOKENS_PER_PROGRAM = 1024, 8
+
 try:
     import triton
     import triton.language as tl
@@ -73,7 +77,8 @@ def qkv_epilogue_triton(qkv, num_heads, num_kv_heads, positions, cos, sin, q_wei
         assert f.draft_to.is_contiguous() and f.draft_to.shape[1:] == (Hq, D)
     if f is not None:
         assert f.kmin.is_contiguous() and f.kmax.is_contiguous()
-    _qkv_epilogue_kernel[(T, Hq + Hkv)](
+    tokens = PREFILL_TOKENS_PER_PROGRAM if T >= PREFILL_ROWS else 1
+    _qkv_epilogue_kernel[(triton.cdiv(T, tokens), Hq + Hkv)](
         qkv, q, k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
         kv_cache, write_slots, write_offsets,
         f.kmin if f is not None else qkv, f.kmax if f is not None else qkv,
@@ -83,7 +88,7 @@ def qkv_epilogue_triton(qkv, num_heads, num_kv_heads, positions, cos, sin, q_wei
         write_slots.stride(0), write_slots.stride(1), eps,
         HQ=Hq, HKV=Hkv, D=D, HALF=half, NORM=norm, FOLD=f is not None, COPY=copy,
         Q=f.query_len if f is not None else 1, DRAFT=f.draft_index if copy else 0,
-        FP8=f is not None and f.kmin.dtype == torch.float8_e4m3fn, num_warps=1)
+        FP8=f is not None and f.kmin.dtype == torch.float8_e4m3fn, T=T, TOKENS=tokens, num_warps=1)
     return q, k, v
 
 
@@ -116,58 +121,60 @@ if triton is not None:
                              s_qkv, s_cos, skv_slot, skv_kv, skv_tok, ss_t, ss_h, eps,
                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                              NORM: tl.constexpr, FOLD: tl.constexpr, COPY: tl.constexpr, Q: tl.constexpr,
-                             DRAFT: tl.constexpr, FP8: tl.constexpr):
-        """One program per (token t, head j): j < HQ a query head, else kv head j - HQ. The two
-        halves of the head are loaded apart, as rotate-half pairs element i with i + D/2."""
-        t = tl.program_id(0)
+                             DRAFT: tl.constexpr, FP8: tl.constexpr, T, TOKENS: tl.constexpr):
+        """One program per (TOKENS tokens from t, head j): j < HQ a query head, else kv head j - HQ.
+        The two halves of the head are loaded apart, as rotate-half pairs element i with i + D/2."""
         j = tl.program_id(1)
         i = tl.arange(0, HALF)
-        src = qkv_ptr + t.to(tl.int64) * s_qkv + j * D  # k heads follow q heads, v follows k
-        x1 = tl.load(src + i).to(tl.float32)
-        x2 = tl.load(src + HALF + i).to(tl.float32)
         is_q = j < HQ
-        if NORM:  # as layers.fused.rms: float32 math, the result in the model dtype
-            w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
-            r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
-            x1 = (x1 * r * tl.load(w_ptr + i).to(tl.float32)).to(q_ptr.dtype.element_ty).to(tl.float32)
-            x2 = (x2 * r * tl.load(w_ptr + HALF + i).to(tl.float32)).to(q_ptr.dtype.element_ty).to(tl.float32)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        c1 = tl.load(cos_ptr + pos * s_cos + i)
-        c2 = tl.load(cos_ptr + pos * s_cos + HALF + i)
-        s1 = tl.load(sin_ptr + pos * s_cos + i)
-        s2 = tl.load(sin_ptr + pos * s_cos + HALF + i)
-        y1 = (x1 * c1 - x2 * s1).to(q_ptr.dtype.element_ty)
-        y2 = (x2 * c2 + x1 * s2).to(q_ptr.dtype.element_ty)
-        if is_q:
-            dst = q_ptr + (t.to(tl.int64) * HQ + j) * D
-            tl.store(dst + i, y1)
-            tl.store(dst + HALF + i, y2)
-            if COPY:
-                if t % Q == DRAFT:
-                    dst = draft_ptr + ((t // Q).to(tl.int64) * HQ + j) * D
+        for n in tl.static_range(TOKENS):
+            t = tl.program_id(0) * TOKENS + n
+            if t < T:
+                src = qkv_ptr + t.to(tl.int64) * s_qkv + j * D  # k heads follow q heads, v follows k
+                x1 = tl.load(src + i).to(tl.float32)
+                x2 = tl.load(src + HALF + i).to(tl.float32)
+                if NORM:  # as layers.fused.rms: float32 math, the result in the model dtype
+                    w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+                    r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+                    x1 = (x1 * r * tl.load(w_ptr + i).to(tl.float32)).to(q_ptr.dtype.element_ty).to(tl.float32)
+                    x2 = (x2 * r * tl.load(w_ptr + HALF + i).to(tl.float32)).to(q_ptr.dtype.element_ty).to(tl.float32)
+                pos = tl.load(pos_ptr + t).to(tl.int64)
+                c1 = tl.load(cos_ptr + pos * s_cos + i)
+                c2 = tl.load(cos_ptr + pos * s_cos + HALF + i)
+                s1 = tl.load(sin_ptr + pos * s_cos + i)
+                s2 = tl.load(sin_ptr + pos * s_cos + HALF + i)
+                y1 = (x1 * c1 - x2 * s1).to(q_ptr.dtype.element_ty)
+                y2 = (x2 * c2 + x1 * s2).to(q_ptr.dtype.element_ty)
+                if is_q:
+                    dst = q_ptr + (t.to(tl.int64) * HQ + j) * D
                     tl.store(dst + i, y1)
                     tl.store(dst + HALF + i, y2)
-        else:
-            h = j - HQ
-            dst = k_ptr + (t.to(tl.int64) * HKV + h) * D
-            tl.store(dst + i, y1)
-            tl.store(dst + HALF + i, y2)
-            slot = tl.load(slot_ptr + t * ss_t + h * ss_h).to(tl.int64)
-            if slot >= 0:
-                off = tl.load(off_ptr + t).to(tl.int64)
-                cache = kv_ptr + slot * skv_slot + off * skv_tok
-                tl.store(cache + i, y1.to(kv_ptr.dtype.element_ty))
-                tl.store(cache + HALF + i, y2.to(kv_ptr.dtype.element_ty))
-                v1 = tl.load(src + HKV * D + i)
-                v2 = tl.load(src + HKV * D + HALF + i)
-                tl.store(cache + skv_kv + i, v1.to(kv_ptr.dtype.element_ty))
-                tl.store(cache + skv_kv + HALF + i, v2.to(kv_ptr.dtype.element_ty))
-            if FOLD:
-                if t % Q == 0:
-                    b = tl.load(block_ptr + t // Q).to(tl.int64)
-                    if b >= 0:
-                        _fold(kmin_ptr, kmax_ptr, (b * HKV + h) * D, y1, y2, i, HALF,
-                              tl.load(first_ptr + t // Q) != 0, FP8)
+                    if COPY:
+                        if t % Q == DRAFT:
+                            dst = draft_ptr + ((t // Q).to(tl.int64) * HQ + j) * D
+                            tl.store(dst + i, y1)
+                            tl.store(dst + HALF + i, y2)
+                else:
+                    h = j - HQ
+                    dst = k_ptr + (t.to(tl.int64) * HKV + h) * D
+                    tl.store(dst + i, y1)
+                    tl.store(dst + HALF + i, y2)
+                    slot = tl.load(slot_ptr + t * ss_t + h * ss_h).to(tl.int64)
+                    if slot >= 0:
+                        off = tl.load(off_ptr + t).to(tl.int64)
+                        cache = kv_ptr + slot * skv_slot + off * skv_tok
+                        tl.store(cache + i, y1.to(kv_ptr.dtype.element_ty))
+                        tl.store(cache + HALF + i, y2.to(kv_ptr.dtype.element_ty))
+                        v1 = tl.load(src + HKV * D + i)
+                        v2 = tl.load(src + HKV * D + HALF + i)
+                        tl.store(cache + skv_kv + i, v1.to(kv_ptr.dtype.element_ty))
+                        tl.store(cache + skv_kv + HALF + i, v2.to(kv_ptr.dtype.element_ty))
+                    if FOLD:
+                        if t % Q == 0:
+                            b = tl.load(block_ptr + t // Q).to(tl.int64)
+                            if b >= 0:
+                                _fold(kmin_ptr, kmax_ptr, (b * HKV + h) * D, y1, y2, i, HALF,
+                                      tl.load(first_ptr + t // Q) != 0, FP8)
 
     @triton.jit
     def _fold(kmin_ptr, kmax_ptr, at, y1, y2, i, HALF: tl.constexpr, first, FP8: tl.constexpr):
