@@ -75,7 +75,12 @@ def trace_summary(path: str, steps: int) -> dict:
     busiest = max(streams, key=lambda sid: len(streams[sid]), default=None)
     if busiest is not None:
         out["foreground_gaps"] = gap_overlaps(streams, busiest, steps)
-    return {"streams": out}
+    # A graph's replay spreads one captured stream's kernels over several: totals by name say more.
+    by_name = defaultdict(float)
+    for e in events:
+        by_name[e["name"][:60]] += e["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:16]
+    return {"streams": out, "kernels_us_per_step": {k: round(v / steps, 1) for k, v in top}}
 
 
 def gap_overlaps(streams: dict, fg, steps: int, min_gap_us: float = 5.0) -> dict:
