@@ -182,8 +182,8 @@ def test_dma_backend_moves_what_the_kernel_moves():
 
 def test_every_layer_offers_its_fork_points_in_order(monkeypatch):
     """Each layer of a sparse step offers the pipeline the points its stages may start from,
-    attention, o_proj, mlp, in order (`pipeline.STAGES_FORK` picks one on CUDA streams; on CPU
-    the stages run in-line at the attention, so the tokens cannot depend on it)."""
+    epilogue, attention, o_proj, mlp, in order (`pipeline.STAGES_FORK` picks one on CUDA streams;
+    on CPU the stages run in-line at the attention, so the tokens cannot depend on it)."""
     from oasiskv.sparse.pipeline import STAGE_FORKS, LookaheadPipeline
 
     seen, real = [], LookaheadPipeline.fork_point
@@ -197,7 +197,9 @@ def test_every_layer_offers_its_fork_points_in_order(monkeypatch):
     ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:400]
     llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     L = llm.engine.runner.model.config.num_layers
-    per_step = [(layer, part) for layer in range(L) for part in STAGE_FORKS]
+    order = ("epilogue", "attention", "o_proj", "mlp")
+    assert sorted(order) == sorted(STAGE_FORKS)
+    per_step = [(layer, part) for layer in range(L) for part in order]
     assert seen and len(seen) % len(per_step) == 0
     assert seen == per_step * (len(seen) // len(per_step))
 

@@ -89,11 +89,13 @@ TRANSFER_PRIORITY = -1
 # The foreground's priority inside the captured step (None: the capture stream's default, low):
 # higher lets its kernels take SMs before the prediction's and selection's programs.
 FOREGROUND_PRIORITY = None
-# Where in layer l the foreground hands its stages to the predict stream: after the attention
-# (the earliest point), after the o_proj GEMM (its CTAs are placed first and the scan fills the
-# SMs around them: pays once the scan is long), or after the MLP. None: by the context
-# (`stages_fork`); or one of STAGE_FORKS.
-STAGE_FORKS = ("attention", "o_proj", "mlp")
+# Where in layer l the foreground hands its stages to the predict stream: after the attention,
+# after the o_proj GEMM (its CTAs are placed first and the scan fills the SMs around them: pays
+# once the scan is long), after the MLP, or before the attention ("epilogue": the draft query and
+# the summaries are ready then; prediction and selection may run beside the attention, whose
+# last wave leaves SMs idle, and the transfer still waits for it, as it overwrites slots the
+# attention reads). None: by the context (`stages_fork`); or one of STAGE_FORKS.
+STAGE_FORKS = ("attention", "o_proj", "mlp", "epilogue")
 STAGES_FORK = None
 
 
@@ -460,6 +462,7 @@ class LookaheadPipeline:
     def before_attention(self, layer: int, q, k, meta) -> None:
         if self.background and layer in self.deferred_range():
             torch.cuda.current_stream(self.device).wait_event(self.deferred_done[layer])
+        self.fork_point(layer, "epilogue")
 
     def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
         """The layer's epilogue has folded its keys and copied the draft queries out
@@ -475,21 +478,34 @@ class LookaheadPipeline:
         self.fork_point(layer, "attention")  # side streams: the stages start here or later
 
     def fork_point(self, layer: int, part: str) -> None:
-        """The foreground has launched `part` of layer l (attention, o_proj, mlp): at the
+        """The foreground has launched `part` of layer l (epilogue, attention, o_proj, mlp): at the
         `stages_fork` part, layer l's stages start on the side streams."""
-        if not (self.background and self.prefetch) or part != self.stages_fork:
+        if not (self.background and self.prefetch):
             return
-        predict, select, transfer = self.streams
-        predict.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(predict):
-            self.predict(layer)
-        select.wait_stream(predict)
-        with torch.cuda.stream(select):
-            if self.stages >= 2:
-                self.select(layer)
+        early = self.stages_fork == "epilogue"
+        if part == self.stages_fork:
+            predict, select, _ = self.streams
+            predict.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(predict):
+                self.predict(layer)
+            select.wait_stream(predict)
+            with torch.cuda.stream(select):
+                if self.stages >= 2:
+                    self.select(layer)
+            if not early:
+                self._launch_transfer(layer)
+        elif early and part == "attention":  # the attention has read its slots: they may change
+            self._launch_transfer(layer)
+
+    def _launch_transfer(self, layer: int) -> None:
+        """Layer l's transfer on its stream, after its selection and after everything the
+        foreground has launched so far."""
         if layer in self.deferred_range():
             return  # its transfer opens the next step (`begin_step`)
+        _, select, transfer = self.streams
         transfer.wait_stream(select)
+        if self.stages_fork == "epilogue":
+            transfer.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(transfer):
             if self.stages >= 3:
                 self.transfer(layer)
