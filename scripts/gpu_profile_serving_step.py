@@ -30,7 +30,6 @@ CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N
               "(attention, o_proj, mlp), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), "
               "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly), "
               "/bN bounds-scan programs per (request, kv head) (default 3; fewer hold fewer SMs at once), "
-              "/mN at most N bounds-scan programs at once, "
               "/d0 the drafts' lookup as torch ops instead of one kernel, "
               "/pN only the first N stages run (p0: none, p1: predict, p2: + select; benchmarks only)")
 
@@ -137,7 +136,6 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
     pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
     pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", DEFAULT_BOUNDS_PROGRAMS)  # b: per (request, kv head)
-    pipeline_module.BOUNDS_MAX_PROGRAMS = knobs.get("m")  # m: programs at once
     from oasiskv.sparse import device_drafts  # d0: the drafts' rule as torch ops
     device_drafts.LOOKUP_KERNEL = bool(knobs.get("d", 1))
     from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)

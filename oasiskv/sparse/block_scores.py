@@ -197,11 +197,11 @@ if triton is not None:
     def _bounds_kernel(q_ptr, kmin_ptr, kmax_ptr, off_ptr, nb_ptr, ws_ptr, out_ptr, tmax_ptr,
                        stride_qr, stride_qh, stride_kb, stride_kh,
                        stride_or, stride_oh, stride_tr, stride_th, max_blocks, num_tiles, num_sink,
-                       wide, narrow, items, num_kv, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
+                       wide, narrow, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
                        STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
                        FP8: tl.constexpr, UPCAST: tl.constexpr):
-        """One item: (sequence r, kv head h, TILES consecutive tiles of BB blocks), each
+        """One program: (sequence r, kv head h, TILES consecutive tiles of BB blocks), each
         tile's summaries loaded once for all G query heads of the group, the next tiles' loads in
         flight while one is summed (STAGES-deep software pipelining). The sums over D run on the
         tensor cores in the summaries' own dtype. The box weights a = wide·q⁺ + narrow·q⁻ are not
@@ -215,67 +215,64 @@ if triton is not None:
         fp8 summaries (FP8) go to the tensor cores as loaded, in fp8 products: q⁺ and q⁻ are each
         split into two e4m3 numbers, q ≈ q₁ + q₂ (q₂ the rounding error of q₁, so ~2⁻⁸ relative,
         a bf16's precision; components clamped to ±448), columns [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂]:
-        faster than widening the summaries to float16 in registers.
-        Programs take the items in turn: one each, or fewer programs to leave SMs to other work."""
+        faster than widening the summaries to float16 in registers."""
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        first = tl.program_id(2) * TILES
         d = tl.arange(0, DP)
         c = tl.arange(0, NC)
         part = c // GP
         cg = c % GP
         gi = tl.arange(0, GP)
+        start = tl.load(off_ptr + r).to(tl.int64)
+        end = tl.load(nb_ptr + r)
+        if HAS_WS:
+            end = tl.minimum(end, tl.load(ws_ptr + r))
         NPART: tl.constexpr = 4 if FP8 else 2
-        chunks = tl.cdiv(num_tiles, TILES)
-        for item in range(tl.program_id(0), items, tl.num_programs(0)):  # (r, h, chunk), r slowest
-            r = item // (num_kv * chunks)
-            h = (item // chunks) % num_kv
-            first = (item % chunks) * TILES
-            start = tl.load(off_ptr + r).to(tl.int64)
-            end = tl.load(nb_ptr + r)
-            if HAS_WS:
-                end = tl.minimum(end, tl.load(ws_ptr + r))
-            qm = (d[:, None] < D) & ((cg < G) & (part < NPART))[None, :]
-            q = tl.load(q_ptr + r * stride_qr + (h * G + cg[None, :]) * stride_qh + d[:, None], mask=qm,
-                        other=0.0).to(tl.float32)  # [DP, NC]: each column its head's query
-            if FP8:
-                pos = tl.minimum(tl.maximum(q, 0.0), 448.0)
-                neg = tl.maximum(tl.minimum(q, 0.0), -448.0)
-                p1 = pos.to(tl.float8e4nv).to(tl.float32)
-                n1 = neg.to(tl.float8e4nv).to(tl.float32)
-                p2 = (pos - p1).to(tl.float8e4nv).to(tl.float32)
-                n2 = (neg - n1).to(tl.float8e4nv).to(tl.float32)
-                w = tl.where(part[None, :] == 0, p1, tl.where(part[None, :] == 1, p2,
-                                                              tl.where(part[None, :] == 2, n1, n2)))
-                cdt = tl.float8e4nv
-            else:
-                cdt = kmax_ptr.dtype.element_ty
-                w = tl.where(part[None, :] == 0, tl.maximum(q, 0.0), tl.minimum(q, 0.0))
-            w = w.to(cdt)  # masked columns loaded q = 0, so every part of them is 0
-            if UPCAST:  # the interpreter has no fp8 products: the same exact values in float32
-                w = w.to(tl.float32)
-            pj = tl.arange(0, NC // GP)[None, :, None]
-            is_pos = pj < NPART // 2
-            is_neg = (pj >= NPART // 2) & (pj < NPART)
-            qh = h * G + gi
-            for i in tl.range(0, TILES, num_stages=STAGES):
-                t = first + i
-                b = t * BB + tl.arange(0, BB)
-                keep = (b >= num_sink) & (b < end)
-                ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
-                m = keep[:, None] & (d[None, :] < D)
-                hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(cdt)
-                lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(cdt)
-                if UPCAST:
-                    hi = hi.to(tl.float32)
-                    lo = lo.to(tl.float32)
-                xh = tl.reshape(tl.dot(hi, w, input_precision=PRECISION), [BB, NC // GP, GP])
-                xl = tl.reshape(tl.dot(lo, w, input_precision=PRECISION), [BB, NC // GP, GP])
-                x = tl.sum(tl.where(is_pos, xh, 0.0) + tl.where(is_neg, xl, 0.0), axis=1)  # q⁺·kmax + q⁻·kmin
-                y = tl.sum(tl.where(is_neg, xh, 0.0) + tl.where(is_pos, xl, 0.0), axis=1)  # q⁻·kmax + q⁺·kmin
-                u = wide * x + narrow * y  # [BB, GP]
-                u = tl.where(keep[:, None], u, float("-inf"))
-                tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
-                         mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
-                tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0),
-                         mask=(gi < G) & (t < num_tiles))
+        qm = (d[:, None] < D) & ((cg < G) & (part < NPART))[None, :]
+        q = tl.load(q_ptr + r * stride_qr + (h * G + cg[None, :]) * stride_qh + d[:, None], mask=qm,
+                    other=0.0).to(tl.float32)  # [DP, NC]: each column its head's query
+        if FP8:
+            pos = tl.minimum(tl.maximum(q, 0.0), 448.0)
+            neg = tl.maximum(tl.minimum(q, 0.0), -448.0)
+            p1 = pos.to(tl.float8e4nv).to(tl.float32)
+            n1 = neg.to(tl.float8e4nv).to(tl.float32)
+            p2 = (pos - p1).to(tl.float8e4nv).to(tl.float32)
+            n2 = (neg - n1).to(tl.float8e4nv).to(tl.float32)
+            w = tl.where(part[None, :] == 0, p1, tl.where(part[None, :] == 1, p2,
+                                                          tl.where(part[None, :] == 2, n1, n2)))
+            cdt = tl.float8e4nv
+        else:
+            cdt = kmax_ptr.dtype.element_ty
+            w = tl.where(part[None, :] == 0, tl.maximum(q, 0.0), tl.minimum(q, 0.0))
+        w = w.to(cdt)  # masked columns loaded q = 0, so every part of them is 0
+        if UPCAST:  # the interpreter has no fp8 products: the same exact values in float32
+            w = w.to(tl.float32)
+        pj = tl.arange(0, NC // GP)[None, :, None]
+        is_pos = pj < NPART // 2
+        is_neg = (pj >= NPART // 2) & (pj < NPART)
+        qh = h * G + gi
+        for i in tl.range(0, TILES, num_stages=STAGES):
+            t = first + i
+            b = t * BB + tl.arange(0, BB)
+            keep = (b >= num_sink) & (b < end)
+            ptrs = (start + b)[:, None] * stride_kb + h * stride_kh + d[None, :]
+            m = keep[:, None] & (d[None, :] < D)
+            hi = tl.load(kmax_ptr + ptrs, mask=m, other=0.0).to(cdt)
+            lo = tl.load(kmin_ptr + ptrs, mask=m, other=0.0).to(cdt)
+            if UPCAST:
+                hi = hi.to(tl.float32)
+                lo = lo.to(tl.float32)
+            xh = tl.reshape(tl.dot(hi, w, input_precision=PRECISION), [BB, NC // GP, GP])
+            xl = tl.reshape(tl.dot(lo, w, input_precision=PRECISION), [BB, NC // GP, GP])
+            x = tl.sum(tl.where(is_pos, xh, 0.0) + tl.where(is_neg, xl, 0.0), axis=1)  # q⁺·kmax + q⁻·kmin
+            y = tl.sum(tl.where(is_neg, xh, 0.0) + tl.where(is_pos, xl, 0.0), axis=1)  # q⁻·kmax + q⁺·kmin
+            u = wide * x + narrow * y  # [BB, GP]
+            u = tl.where(keep[:, None], u, float("-inf"))
+            tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None], u,
+                     mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
+            tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0),
+                     mask=(gi < G) & (t < num_tiles))
 
     @triton.jit
     def _combine_kernel(u_ptr, tmax_ptr, out_ptr, stride_ur, stride_uh, stride_tr, stride_th,
@@ -311,10 +308,9 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                        num_warps: int = 4, out: torch.Tensor | None = None,
                        tile_max: torch.Tensor | None = None,
                        range_weight: float = RANGE_WEIGHT, tiles_per_program: int = 8,
-                       stages: int = 3, max_programs: int | None = None) -> torch.Tensor:
+                       stages: int = 3) -> torch.Tensor:
     """Per-head bounds [R, Hq, max_blocks] float32 as `head_bounds_ref` (and each tile's best
-    bound per head into `tile_max` [R, Hq, tiles]). Items (R, Hkv, tile groups), one program
-    each or at most `max_programs` programs taking them in turn; launch sizes
+    bound per head into `tile_max` [R, Hq, tiles]). Grid (R, Hkv, tile groups); launch sizes
     come from shapes and the static `max_blocks`, the per-sequence counts are read on device,
     so the launch is CUDA-graph capturable. Tiles past a sequence's end only store -inf (their
     loads are masked off). block_tile >= 16 (a tensor-core product's rows), `tiles_per_program`
@@ -333,12 +329,11 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     fp8 = kmin.dtype == torch.float8_e4m3fn
     if R and max_blocks:
         GP = triton.next_power_of_2(G)
-        items = R * Hkv * triton.cdiv(tiles, tiles_per_program)
-        _bounds_kernel[(min(items, max_programs or items),)](
+        _bounds_kernel[(R, Hkv, triton.cdiv(tiles, tiles_per_program))](
             q, kmin, kmax, block_offsets, num_blocks, ws, out, tile_max,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             out.stride(0), out.stride(1), tile_max.stride(0), tile_max.stride(1),
-            max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2, items, Hkv,
+            max_blocks, tiles, num_sink, (1 + range_weight) / 2, (1 - range_weight) / 2,
             G=G, GP=GP, NC=max(16, (4 if fp8 else 2) * GP), D=D, DP=max(32, triton.next_power_of_2(D)),
             BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
             PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", FP8=fp8,
@@ -403,7 +398,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  window_start: torch.Tensor | None = None, *, out: tuple | None = None,
                  block_tile: int = 64, range_weight: float = RANGE_WEIGHT,
                  tiles_per_program: int = 8,
-                 stages: int = 3, max_programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """The predicted top-K as a set: (ids [R, Hkv, k] int32, scores [R, Hkv, k] float32), the
     blocks `score_topk` picks (ties aside), each with its score, but in block order rather
     than best first, with the -1 / -inf padding anywhere. A consumer that needs the best first
@@ -418,7 +413,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         return score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                                    num_sink, window_start, out=out, block_tile=block_tile,
                                    range_weight=range_weight, tiles_per_program=tiles_per_program,
-                                   stages=stages, max_programs=max_programs)
+                                   stages=stages)
     R, Hkv = q.shape[0], kmin.shape[1]
     ids, vals = score_topk(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                            num_sink, window_start, range_weight=range_weight)
@@ -431,7 +426,7 @@ def score_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k, max_blocks,
                         num_sink=0, window_start=None, *, out=None, block_tile=64,
-                        range_weight=RANGE_WEIGHT, tiles_per_program=8, stages=3, max_programs=None):
+                        range_weight=RANGE_WEIGHT, tiles_per_program=8, stages=3):
     """`score_select`'s fused path: the bounds kernel, then `_select_kernel`."""
     R, Hq, _ = q.shape
     Hkv = kmin.shape[1]
@@ -440,7 +435,7 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
     tile_max = torch.empty(R, Hq, tiles, device=q.device, dtype=torch.float32)
     head_bounds_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks, num_sink,
                        window_start, block_tile, out=u, tile_max=tile_max, range_weight=range_weight,
-                       tiles_per_program=tiles_per_program, stages=stages, max_programs=max_programs)
+                       tiles_per_program=tiles_per_program, stages=stages)
     if out is None:
         out = (torch.empty(R * Hkv, k, dtype=torch.int32, device=q.device),
                torch.empty(R * Hkv, k, dtype=torch.float32, device=q.device))

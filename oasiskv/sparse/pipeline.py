@@ -62,9 +62,6 @@ LONG_SCAN_BLOCKS = 1024
 # The bounds kernel (the prediction's scan of the summaries): 64 blocks a tile, 3 load stages,
 # and about 3 programs per (request, kv head) whatever the context.
 BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
-# At most this many bounds programs at once (None: one per item); fewer leave SMs to the
-# foreground's GEMMs, whose programs need an SM's whole shared memory.
-BOUNDS_MAX_PROGRAMS = None
 # The step's GEMMs through cuBLASLt leave this many SMs to the stages (torch's SM carve-out; the
 # captured graph keeps the kernels chosen), so the transfer programs do not push GEMM CTAs into a
 # second wave.
@@ -504,8 +501,7 @@ class LookaheadPipeline:
             return  # its transfer opens the next step (`begin_step`)
         _, select, transfer = self.streams
         transfer.wait_stream(select)
-        if self.stages_fork == "epilogue":
-            transfer.wait_stream(torch.cuda.current_stream(self.device))
+        transfer.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(transfer):
             if self.stages >= 3:
                 self.transfer(layer)
@@ -545,7 +541,7 @@ class LookaheadPipeline:
                      window_start=self.next_window[:B],
                      out=(self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H]),
                      block_tile=self.bounds_tiling[0], tiles_per_program=self.bounds_tiling[1],
-                     stages=self.bounds_tiling[2], max_programs=BOUNDS_MAX_PROGRAMS)
+                     stages=self.bounds_tiling[2])
         if self.remote is not None:  # disaggregated rows: only local blocks may come in
             self.remote.mask(layer, self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H],
                              self.active)
