@@ -34,6 +34,9 @@ class EngineConfig:
     # A decode instance (serve --role decode): GiB of host arena for its admitted requests' items
     # (`disagg.LocalItems`; pinned and mapped for the pipeline); None elsewhere.
     remote_kv_gb: float | None = None
+    # Decode role: the remote reads a step asks per (layer, KV head), its best-ranked misses;
+    # None: the fetch cap C (what the selection admits a step), 0: every predicted block.
+    rpf_want_per_head: int | None = None
     summary_dtype: str = "auto"
     fetch_budget: str | float = "auto"  # transfer budget per step: auto | off | MB
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
@@ -86,3 +89,11 @@ class EngineConfig:
                             window_blocks=self.window_blocks, sparse_threshold=self.sparse_threshold,
                             fetch_ratio=self.fetch_ratio, drafter=self.drafter, host_kv_gb=self.host_kv_gb,
                             summary_dtype=self.summary_dtype, fetch_budget=self.fetch_budget)
+
+    def want_per_head(self) -> int:
+        """A decode instance's remote reads per (layer, KV head) and step (0: every predicted block)."""
+        if self.rpf_want_per_head is not None:
+            if self.rpf_want_per_head < 0:
+                raise ValueError(f"--rpf-want-per-head must be >= 0, got {self.rpf_want_per_head}")
+            return self.rpf_want_per_head
+        return self.sparse_config().fetch_cap

@@ -38,6 +38,7 @@ def row(out_dir: Path, name: str) -> dict | None:
             "admission_bytes_per_request": per(d.get("oasiskv:disagg_admission_bytes_total", 0.0), admitted),
             "decode_host_bytes_per_request": per(d.get("oasiskv:disagg_request_host_bytes_sum", 0.0), finished),
             "remote_bytes_per_request": per(d.get("oasiskv:disagg_remote_read_bytes_total", 0.0), admitted),
+            "items_no_room": d.get("oasiskv:disagg_items_no_room_total", 0.0),
             "mean_ttft_ms": bench["mean_ttft_ms"], "median_ttft_ms": bench["median_ttft_ms"],
             "median_tpot_ms": bench["median_tpot_ms"], "output_throughput": bench["output_throughput"]}
 

@@ -15,7 +15,8 @@
 # decode side's read budget stands for). One call must end within 10 minutes; at the full sizes
 # give it one case, or lower PROMPTS / OUT_LEN to fit several.
 # Sizes: MODEL (qwen3-8b), PROMPTS (16), IN (32768), OUT_LEN (1024), TOPK (128), BENCH_S (per case);
-# EXTRA: more flags for both servers (e.g. --max-num-seqs 16: fewer captured steps).
+# EXTRA: more flags for both servers (e.g. --max-num-seqs 16: fewer captured steps); DECODE_EXTRA:
+# for the decode server (e.g. --rpf-want-per-head 0).
 # Memory: at 32K tokens one qwen3-8b request's KV is 4.6 GiB. The prefill's host pool holds every
 # RPF request's KV until its decode ends (PREFILL_HOST_GB, default PROMPTS x 4.7 + 2 for rpf, 24 for
 # full, which holds a request's KV only until the decode side has read it); the decode side's arena (DECODE_REMOTE_GB) is touched and pinned only as blocks arrive. 16 prompts in
@@ -44,6 +45,7 @@ P_FLAGS=(--kv-cache-gb "${PREFILL_KV_GB:-40}")
 # requests of --max-model-len (5 GiB at 16 x 33K for qwen3-8b): size it to the prompts.
 D_FLAGS=(--kv-cache-gb "${DECODE_KV_GB:-20}" --host-kv-gb 1 --max-num-seqs "$PROMPTS")
 if [ "${1:-}" = smoke ]; then  # CPU, the default model, tiny sizes: checks the script, not speed
+  export PYTHONPATH=.  # .gpu_site holds the GPU machine's Python 3.12 builds
   PY=${PY_SMOKE:-.venv/bin/python}; PROMPTS=${PROMPTS_SMOKE:-2}; IN=600; OUT_LEN=8; TOPK=4; MODEL=SmolLM2-135M
   ENGINE=(--top-k-blocks "$TOPK" --max-model-len 1000 --disable-log-stats)
   P_FLAGS=(--kv-cache-gb 0.2); D_FLAGS=(--kv-cache-gb 0.2 --host-kv-gb 0.2)
@@ -90,7 +92,8 @@ run_case() {  # mode:transport[:gbps]
     env=(UCX_TLS="$TCP_TLS")
   fi
   local host_gb=${PREFILL_HOST_GB:-$($PY -c "print($PROMPTS * ($GIB_PER_REQ + 0.1) + 2 if '$mode' == 'rpf' else 24)")}
-  local remote_gb=${DECODE_REMOTE_GB:-$($PY -c "print($PROMPTS * ($GIB_PER_REQ + 0.1) + 2)")}
+  # The two servers' pinned host memory within ~112 GiB of the 125 (the prefill's pool is pinned whole)
+  local remote_gb=${DECODE_REMOTE_GB:-$($PY -c "print(round(min($PROMPTS * ($GIB_PER_REQ + 0.1) + 2, 112 - $host_gb), 1))")}
   if [ "${SMOKE:-}" = 1 ]; then host_gb=0.3; remote_gb=0.3; fi
   echo "=== $name: prefill host pool $host_gb GiB, decode arena $remote_gb GiB ${env[*]}"
   local t0=$SECONDS
@@ -98,7 +101,7 @@ run_case() {  # mode:transport[:gbps]
     --kv-transfer-mode "$mode" --kv-transport "$kt" --port $P_PORT > "$OUT/server_${name}_prefill.log" 2>&1 &
   local ppid=$!
   env "${env[@]}" $PY "${SERVE[@]}" "${ENGINE[@]}" "${D_FLAGS[@]}" --remote-kv-gb "$remote_gb" --role decode \
-    --kv-transport "$kt" ${gbps:+--rpf-link-gbps "$gbps"} --port $D_PORT > "$OUT/server_${name}_decode.log" 2>&1 &
+    --kv-transport "$kt" ${gbps:+--rpf-link-gbps "$gbps"} ${DECODE_EXTRA:-} --port $D_PORT > "$OUT/server_${name}_decode.log" 2>&1 &
   local dpid=$!
   $PY -m oasiskv.entrypoints.cli proxy --prefill http://127.0.0.1:$P_PORT --decode http://127.0.0.1:$D_PORT \
     --port $X_PORT --log-level warning > "$OUT/proxy_${name}.log" 2>&1 &
@@ -124,3 +127,6 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,mem
 for case in ${CASES:-rpf:ucx}; do run_case "$case"; done
 $PY scripts/disagg_table.py "$OUT" --model "$MODEL" --prompts "$PROMPTS" --input-len "$IN" --output-len "$OUT_LEN" \
   --top-k "$TOPK" ${TCP_TLS:+--tcp-tls "$TCP_TLS"}
+# Only a few files come back from the GPU machine: everything else in one archive.
+(cd "$OUT" && tar czf "disagg_files.tgz" --exclude disagg_files.tgz --exclude disagg.json --exclude disagg.md . \
+  && find . -type f ! -name disagg_files.tgz ! -name disagg.json ! -name disagg.md -delete)

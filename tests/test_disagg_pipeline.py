@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from triton_interpreter import run_under_interpreter
@@ -30,6 +31,7 @@ from oasiskv.disagg.prefill_side import hand_over
 from oasiskv.disagg.remote_reads import RemoteReads
 from oasiskv.disagg.socket_transport import SocketTransport
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
+from oasiskv.sparse.remote_rows import RemoteRows
 from server_client import call, free_port, metrics
 
 PROMPT_TOKENS, NEW_TOKENS = 1210, 24  # the decode side completes blocks 75 and 76
@@ -404,3 +406,27 @@ def test_mixed_rows_kernels_interpreter():
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or with TRITON_INTERPRET=1"
     print(json.dumps(mixed_rows_copies("interpreter")))
+
+
+def test_mask_asks_each_line_for_its_best_misses_only():
+    """All predicted blocks not local leave the prediction; `wanted` keeps each (row, head)
+    line's first `want_per_head` of them (the prediction is sorted best first)."""
+    rows = RemoteRows(torch.zeros(8, 2, 1, 1), num_slots=2, num_layers=1, max_blocks=8, num_kv_heads=2,
+                      max_rows=2, top_k=4, summary_base=0, device=torch.device("cpu"), want_per_head=2)
+    rows.set_row(0, 1)
+    where = np.full((1, 8, 2), -1)
+    where[0, [1, 4], 0] = [5, 6]  # head 0 holds blocks 1 and 4
+    rows.set_map(1, where)
+    predicted = torch.tensor([[4, 2, 7, 1], [3, 2, 6, -1]], dtype=torch.int32)  # row 0's heads 0, 1
+    scores = torch.arange(8, 0, -1, dtype=torch.float32).view(2, 4)
+    rows.mask(0, predicted, scores, torch.tensor([True, True]))
+    assert rows.wanted[:2, 0].tolist() == [[-1, 2, 7, -1], [3, 2, -1, -1]]
+    assert predicted.tolist() == [[4, -1, -1, 1], [-1, -1, -1, -1]]
+    assert torch.isinf(scores[1, :3]).all() and scores[0, 0] == 8
+
+
+def test_miss_rank_counts_within_each_group():
+    from oasiskv.disagg.decode_side import miss_rank
+    missing = np.array([1, 0, 1, 1, 0, 1, 1, 1], dtype=bool)
+    group = np.array([0, 0, 0, 0, 1, 1, 2, 2])
+    assert (miss_rank(missing, group)[missing] == [1, 2, 3, 1, 1, 2]).all()

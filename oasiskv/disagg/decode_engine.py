@@ -54,7 +54,7 @@ class DecodeEngine(LLMEngine):
         self.transport = transport
         transport.register(self.store.items)
         self.reads = RemoteReads(transport, self.store, read_timeout_s)
-        m.remote = RemoteSource(self.reads, m.L, strict=strict)
+        m.remote = RemoteSource(self.reads, m.L, strict=strict, want_per_head=config.want_per_head())
         self.link_bytes_per_s = None if link_gbps is None else link_gbps * 1e9 / 8
         self.max_read_bytes = max_read_bytes
         self._transfers: dict[str, FullTransfer] = {}  # request id -> its full transfer, until admitted
@@ -268,7 +268,7 @@ class DecodeEngine(LLMEngine):
         return {"role": "decode", "admission_bytes": self.totals["admission_bytes"],
                 "admission_transport_bytes": self.totals["admission_transport_bytes"],
                 "admissions": self.totals["admissions"], "remote_bytes": self.reads.totals.bytes_read,
-                "remote_reads": self.reads.totals.reads,
+                "remote_reads": self.reads.totals.reads, "items_no_room": self.reads.totals.items_no_room,
                 "reads_in_flight": self.reads.reads_in_flight
                 + sum(len(t.pending) for t in list(self._transfers.values())),
                 "leases_held": self.heartbeats.held(), "host_bytes_used": self.store.bytes_used,

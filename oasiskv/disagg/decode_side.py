@@ -39,8 +39,11 @@ class RemoteSource:
     """`SparseManager.remote` on a decode instance."""
 
     def __init__(self, reads: RemoteReads, num_layers: int, strict: bool = False,
-                 budget_bytes: int | None = None):
+                 budget_bytes: int | None = None, want_per_head: int = 0):
+        """want_per_head: the best-ranked missing blocks a (layer, KV head) asks for a step
+        (0: all; strict asks for all)."""
         self.reads, self.num_layers, self.strict, self.budget_bytes = reads, num_layers, strict, budget_bytes
+        self.want_per_head = want_per_head
 
     @property
     def items(self) -> torch.Tensor:
@@ -52,8 +55,13 @@ class RemoteSource:
         self.reads.poll()  # arrived blocks count from the next step; failures are seen at once
         b = blocks.cpu()
         heads, cols = torch.nonzero(b >= 0, as_tuple=True)
-        want = b[heads, cols].long().numpy()
-        local = self.reads.want(ws.remote, layer, want, heads.numpy())
+        want, head = b[heads, cols].long().numpy(), heads.numpy()
+        if self.strict or not self.want_per_head:
+            local = self.reads.want(ws.remote, layer, want, head)
+        else:  # each head's blocks come best first: ask for its first misses only
+            local = ws.remote.where[layer, want, head] >= 0
+            ask = ~local & (miss_rank(~local, head) <= self.want_per_head)
+            self.reads.want(ws.remote, layer, want[ask], head[ask])
         if self.strict:
             self.reads.flush()
             self.reads.wait()
@@ -119,6 +127,14 @@ class RemoteSource:
             if req is not None:
                 self.reads.want(req, layer[seg], block[seg], head[seg])
         self.reads.flush(self.budget_bytes)
+
+
+def miss_rank(missing: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """1-based rank of each missing entry among the missing ones of its group (`group`
+    ascending, each group's entries in order)."""
+    count = np.cumsum(missing)
+    first = np.searchsorted(group, group, side="left")
+    return count - (count[first] - missing[first])
 
 
 def request_max_blocks(engine, adm: Admission, params: SamplingParams) -> int:

@@ -74,7 +74,8 @@ class ModelRunner(SparseDecodeMixin):
             if self.remote_items is not None:  # every row may be a disaggregated one
                 slots = cfg.max_num_seqs
                 remote = RemoteRows(self.remote_items.tensor, slots, mc.num_layers, self.max_blocks_per_seq,
-                                    self.num_kv_heads, cfg.max_num_seqs, sc.top_k_blocks, host_blocks, self.device)
+                                    self.num_kv_heads, cfg.max_num_seqs, sc.top_k_blocks, host_blocks, self.device,
+                                    want_per_head=cfg.want_per_head())
             self.pipeline = LookaheadPipeline(
                 sc, mc, self.kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
                 summary_blocks=host_blocks + slots * self.max_blocks_per_seq, block_size=self.block_size,

@@ -29,6 +29,10 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rpf-link-gbps", type=float, default=None,
                    help="decode role: remote reads per step at most what a link of this rate (Gbit/s) "
                         "carries during one decode step (default: no budget)")
+    g.add_argument("--rpf-want-per-head", type=int, default=None,
+                   help="decode role: remote blocks a step asks for per layer and KV head, its best-ranked "
+                        "misses (default: the fetch cap C, what the selection admits a step; 0: every "
+                        "predicted block)")
     g.add_argument("--remote-kv-gb", type=float, default=None,
                    help="decode role: host memory for admitted requests' blocks (default: --host-kv-gb)")
     g.add_argument("--kv-lease-ttl", type=float, default=10.0,
@@ -74,4 +78,6 @@ def make_engine(args: argparse.Namespace, config: EngineConfig, url: str):
         from oasiskv.disagg.prefill_engine import PrefillEngine
         return PrefillEngine(config, transport, args.kv_transfer_mode, args.kv_lease_ttl, url)
     from oasiskv.disagg.decode_engine import DecodeEngine
+    config = dataclasses.replace(config, rpf_want_per_head=getattr(args, "rpf_want_per_head", None))
+    config.want_per_head()  # a bad value fails here, before the model loads
     return DecodeEngine(config, transport, args.remote_kv_gb, args.rpf_strict, args.rpf_link_gbps)

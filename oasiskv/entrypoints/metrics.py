@@ -119,6 +119,8 @@ class ServerMetrics:
              "host pools after admission."),
             ("remote_reads", "disagg_remote_reads", "Batched remote reads posted (one per prefill peer per step "
              "at most)."),
+            ("items_no_room", "disagg_items_no_room", "Decode role: wanted blocks left unread because the host "
+             "arena (--remote-kv-gb) was full."),
             ("lease_expiries", "disagg_lease_expiries", "Prefill role: leases that ended by expiry (no "
              "heartbeat within the TTL), not by release."),
             ("failed_requests", "disagg_failed_requests", "Decode role: requests failed because their prefill "

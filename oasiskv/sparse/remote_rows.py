@@ -32,13 +32,15 @@ from oasiskv.sparse.host_pool import pinned_empty
 
 class RemoteRows:
     def __init__(self, items: torch.Tensor, num_slots: int, num_layers: int, max_blocks: int, num_kv_heads: int,
-                 max_rows: int, top_k: int, summary_base: int, device: torch.device):
+                 max_rows: int, top_k: int, summary_base: int, device: torch.device, want_per_head: int = 0):
         """items: the arena [N, 2, bs, D] (pinned and mapped on CUDA: `pinned_empty`);
-        summary_base: the first summary block past the host pool's."""
+        summary_base: the first summary block past the host pool's; want_per_head: the
+        best-ranked missing blocks a (row, head) asks for at each layer (0: all)."""
         L, H, R = num_layers, num_kv_heads, max_rows
         self.items = items
         self.items_on_device = device_view(items, device) if device.type == "cuda" else items
         self.L, self.H, self.max_blocks, self.summary_base = L, H, max_blocks, summary_base
+        self.want_per_head = want_per_head
         i32 = dict(dtype=torch.int32, device=device)
         self.item_map = torch.full((num_slots, L, max_blocks, H), -1, **i32)
         self.row_slot = torch.full((R,), -1, dtype=torch.long, device=device)
@@ -95,7 +97,8 @@ class RemoteRows:
     def mask(self, layer: int, predicted: torch.Tensor, scores: torch.Tensor, active: torch.Tensor) -> None:
         """After layer l's prediction of the first B rows (predicted, scores: [B * Hkv, K], in
         place; active: [B]): mapped rows' blocks that are not local go to `wanted` and out of
-        the prediction. Fixed shapes, no host sync: it runs inside the captured step."""
+        the prediction; each line asks for its `want_per_head` best of them. Fixed shapes, no
+        host sync: it runs inside the captured step."""
         n = predicted.shape[0]
         B = n // self.H
         slot = self.row_slot[:B, None].expand(B, self.H).reshape(n, 1)
@@ -103,7 +106,10 @@ class RemoteRows:
         local = self.item_map[slot.clamp_min(0), layer, predicted.long().clamp(0, self.max_blocks - 1),
                               self.head_of[:n, None]] >= 0
         missing = mapped & ~local
-        self.wanted[:n, layer] = torch.where(missing, predicted, -1)
+        asked = missing
+        if self.want_per_head:  # the prediction is sorted best first: its first misses
+            asked = missing & (missing.cumsum(-1) <= self.want_per_head)
+        self.wanted[:n, layer] = torch.where(asked, predicted, -1)
         predicted.masked_fill_(missing, -1)
         scores.masked_fill_(missing, float("-inf"))
 
