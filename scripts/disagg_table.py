@@ -39,6 +39,7 @@ def row(out_dir: Path, name: str) -> dict | None:
             "decode_host_bytes_per_request": per(d.get("oasiskv:disagg_request_host_bytes_sum", 0.0), finished),
             "remote_bytes_per_request": per(d.get("oasiskv:disagg_remote_read_bytes_total", 0.0), admitted),
             "items_no_room": d.get("oasiskv:disagg_items_no_room_total", 0.0),
+            "items_evicted_per_request": per(d.get("oasiskv:disagg_items_evicted_total", 0.0), admitted),
             "mean_ttft_ms": bench["mean_ttft_ms"], "median_ttft_ms": bench["median_ttft_ms"],
             "median_tpot_ms": bench["median_tpot_ms"], "output_throughput": bench["output_throughput"]}
 
@@ -63,8 +64,8 @@ def main() -> None:
     lines = [f"{args.prompts} x {args.input_len}-token prompts, {args.output_len} out, {args.model}, K = {args.top_k}"
              + (f"; tcp: UCX_TLS={args.tcp_tls}" if args.tcp_tls else ""), "",
              "| case | done | admission MB / req | x fewer | decode host MB / req | x less | remote MB / req "
-             "| TTFT mean ms | TPOT median ms | out tok/s | vs full |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| items given back / req | TTFT mean ms | TPOT median ms | out tok/s | vs full |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = full.get(r["transport"])
         ratio = lambda k: (base[k] / r[k] if base and base.get(k) and r.get(k) else None)  # noqa: E731
@@ -75,7 +76,8 @@ def main() -> None:
         lines.append(f"| {r['case']} | {r['completed']}/{r['completed'] + r['failed']} "
                      f"| {fmt(mb(r['admission_bytes_per_request']), ',.0f')} | {fmt(r['admission_fewer'], '.2f')} "
                      f"| {fmt(mb(r['decode_host_bytes_per_request']), ',.0f')} | {fmt(r['host_less'], '.2f')} "
-                     f"| {fmt(mb(r['remote_bytes_per_request']), ',.0f')} | {r['mean_ttft_ms']:,.0f} "
+                     f"| {fmt(mb(r['remote_bytes_per_request']), ',.0f')} "
+                     f"| {fmt(r['items_evicted_per_request'], ',.0f')} | {r['mean_ttft_ms']:,.0f} "
                      f"| {r['median_tpot_ms']:.1f} | {r['output_throughput']:.1f} | {fmt(speed, '.3f')} |")
     (args.out_dir / "disagg.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
                                                                    if k != "out_dir"}, "rows": rows}, indent=2))

@@ -92,8 +92,10 @@ run_case() {  # mode:transport[:gbps]
     env=(UCX_TLS="$TCP_TLS")
   fi
   local host_gb=${PREFILL_HOST_GB:-$($PY -c "print($PROMPTS * ($GIB_PER_REQ + 0.1) + 2 if '$mode' == 'rpf' else 24)")}
-  # The two servers' pinned host memory within ~112 GiB of the 125 (the prefill's pool is pinned whole)
-  local remote_gb=${DECODE_REMOTE_GB:-$($PY -c "print(round(min($PROMPTS * ($GIB_PER_REQ + 0.1) + 2, 112 - $host_gb), 1))")}
+  # rpf: the decode arena holds RPF_ARENA (0.4) of the prompts' KV and gives back the earliest read
+  # blocks when full; full: all of it. Both servers' pinned memory stays within ~112 GiB of the 125.
+  local remote_gb=${DECODE_REMOTE_GB:-$($PY -c "print(round(min($PROMPTS * ($GIB_PER_REQ + 0.1) \
+    * (${RPF_ARENA:-0.4} if '$mode' == 'rpf' else 1) + 2, 112 - $host_gb), 1))")}
   if [ "${SMOKE:-}" = 1 ]; then host_gb=0.3; remote_gb=0.3; fi
   echo "=== $name: prefill host pool $host_gb GiB, decode arena $remote_gb GiB ${env[*]}"
   local t0=$SECONDS
@@ -128,5 +130,6 @@ for case in ${CASES:-rpf:ucx}; do run_case "$case"; done
 $PY scripts/disagg_table.py "$OUT" --model "$MODEL" --prompts "$PROMPTS" --input-len "$IN" --output-len "$OUT_LEN" \
   --top-k "$TOPK" ${TCP_TLS:+--tcp-tls "$TCP_TLS"}
 # Only a few files come back from the GPU machine: everything else in one archive.
-(cd "$OUT" && tar czf "disagg_files.tgz" --exclude disagg_files.tgz --exclude disagg.json --exclude disagg.md . \
-  && find . -type f ! -name disagg_files.tgz ! -name disagg.json ! -name disagg.md -delete)
+ARCHIVE=$(mktemp -u /tmp/disagg_files.XXXX.tgz)
+(cd "$OUT" && tar czf "$ARCHIVE" --exclude disagg.json --exclude disagg.md . \
+  && find . -type f ! -name disagg.json ! -name disagg.md -delete && mv "$ARCHIVE" disagg_files.tgz)

@@ -70,17 +70,17 @@ def prefill():
     assert handed["leases"].release(handed["id"]) and handed["leases"].reap() == [handed["id"]]
 
 
-def decode_engine(pipeline: bool, deferred: int = 0):
+def decode_engine(pipeline: bool, deferred: int = 0, remote_kv_gb: float = 0.15):
     """A decode engine and its remote reads over the arena its runner made. deferred: the
     pipeline's deferred layers (CPU; on CUDA the captured steps keep the default)."""
-    engine = LLM(sparse_pipeline="on" if pipeline else "off", remote_kv_gb=0.15, **CONFIG).engine
+    engine = LLM(sparse_pipeline="on" if pipeline else "off", remote_kv_gb=remote_kv_gb, **CONFIG).engine
     sparse = engine.runner.sparse
     if pipeline and not torch.cuda.is_available():
         engine.runner.pipeline.deferred_layers = deferred
     store = LocalItems.over(engine.runner.remote_items)
     reader = SocketTransport()
     reader.register(store.items)
-    reads = RemoteReads(reader, store)
+    reads = RemoteReads(reader, store, evict=pipeline)
     sparse.remote = RemoteSource(reads, sparse.L)
     return engine, reads
 
@@ -125,11 +125,13 @@ def test_full_admission_pipeline_equals_in_line(prefill, deferred):
     assert tokens[True] == tokens[False]
 
 
-def check_rows(engine) -> None:
+def check_rows(engine, evicting: bool = False) -> None:
     """Each used disaggregated row of the pipeline: its dynamic slots hold only local blocks,
     with their local items' bytes; its window's complete blocks are local and equal to the GPU's
     window slots; its device map agrees with its request's table. Transfers and the
-    write-through a step leaves to the next (deferred) are checked for the locality only."""
+    write-through a step leaves to the next (deferred) are checked for the locality only.
+    evicting: the arena may have given back prompt items the GPU still holds; those held
+    are checked."""
     p = engine.runner.pipeline
     rows, store = p.remote, engine.runner.sparse.remote.reads.store
     S, K, H, L, W, bs, dev = p.S, p.K, p.H, p.L, p.W, p.bs, p.device
@@ -139,20 +141,25 @@ def check_rows(engine) -> None:
         assert (slot >= 0) == (ws.remote is not None)
         where = torch.from_numpy(ws.remote.where)
         item_map = rows.item_map[slot, :, :where.shape[1]].cpu()
+        settled = torch.ones(where.shape, dtype=torch.bool)  # the entries the map has caught up with
+        if ws.remote.arrived:  # changed since the step: the map learns of them before the next
+            settled.view(-1)[torch.from_numpy(np.concatenate(ws.remote.arrived))] = False
         local = where >= 0
-        assert torch.equal(item_map[local].long(), where[local])
-        assert (item_map[~local] == -1).all()
+        assert torch.equal(item_map[local & settled].long(), where[local & settled])
+        assert (item_map[~local & settled] == -1).all()
+        item_map = torch.where(settled, item_map, -1)  # what the next step will see of the others
         resident = p.resident[:, r * H:(r + 1) * H].long().cpu()  # [L, H, K]
         layer, head, k = torch.nonzero(resident >= 0, as_tuple=True)
         block = resident[layer, head, k]
         items = item_map[layer, block, head].long()
-        assert (items >= 0).all(), "a block that is not local is attended"
+        assert evicting or (items >= 0).all(), "a block that is not local is attended"
         gpu_slot = p.pages[r, S + k].long().cpu() * H + head
-        ok = landed[layer]
+        ok = landed[layer] & (items >= 0)
         assert torch.equal(p.kv[layer[ok].to(dev), gpu_slot[ok].to(dev)].cpu(), store.items[items[ok]])
         n = int(p.cached[r])
         newest = n // bs - (1 if p.defers_write_through else 0)  # its write-through opens the next step
-        for b in range(max(S, n // bs - W + 1), newest):  # complete blocks in the window ring
+        first = ws.remote.remote_blocks if evicting else 0  # its own blocks are never given back
+        for b in range(max(S, n // bs - W + 1, first), newest):  # complete blocks in the window ring
             slots = p.pages[r, S + K + b % W].long().cpu() * H + torch.arange(H)
             items = item_map[:, b].long()  # [L, H]
             assert (items >= 0).all(), f"window block {b} was not placed locally"
@@ -181,6 +188,22 @@ def test_rpf_on_the_pipeline_reads_each_item_once(prefill):
     assert reads.totals.reads <= NEW_TOKENS - 1  # one per peer per step at most
     assert engine.runner.pipeline.num_rows == 0 and len(engine.runner.pipeline.remote._free) == CONFIG["max_num_seqs"]
     print(f"pipeline rpf: {reads.totals.reads} reads, {len(read_items)} items ({reads.totals.bytes_read} B)")
+
+
+def test_rpf_on_the_pipeline_in_a_small_arena_gives_back_and_reads_again(prefill):
+    """An arena of a sixth of the prompt's items: the request decodes to the end, the
+    arena gives back prompt items it read earlier, the map follows the table after every step,
+    and every item comes back at the end."""
+    engine, reads = decode_engine(pipeline=True, remote_kv_gb=0.009)
+    assert reads.store.num_items < 76 * 30 * 3 // 5
+    peer = reads.transport.add_peer(prefill["owner"].metadata())
+    out = run(engine, reads, [("rpf", prefill["rpf"], peer)],
+              check=lambda e: check_rows(e, evicting=True))["rpf"]
+    reads.transport.close()
+    assert out.finish_reason == "length" and len(out.token_ids) == NEW_TOKENS
+    assert reads.totals.items_evicted > 0 and reads.totals.failed_requests == 0
+    print(f"small arena: {reads.store.num_items} items, {reads.totals.items_evicted} given back, "
+          f"{reads.totals.bytes_read} B read in {reads.totals.reads} reads")
 
 
 def test_a_dead_peer_fails_only_its_request_on_the_pipeline(prefill):
@@ -430,3 +453,44 @@ def test_miss_rank_counts_within_each_group():
     missing = np.array([1, 0, 1, 1, 0, 1, 1, 1], dtype=bool)
     group = np.array([0, 0, 0, 0, 1, 1, 2, 2])
     assert (miss_rank(missing, group)[missing] == [1, 2, 3, 1, 1, 2]).all()
+
+
+def test_full_arena_gives_back_the_earliest_prompt_items():
+    """With eviction (the pipeline), a read that finds the arena full first gives back the prompt
+    items that arrived earliest, logged in `arrived` for the map; the blocks the decode side
+    completed stay; without it, what does not fit stays remote and room is left for them."""
+    from oasiskv.disagg.remote_reads import REMOTE, RemoteRequest
+    store = LocalItems(6, 1, 1, torch.float32)
+    reads = RemoteReads(_Recorder(), store, evict=True)
+    req = RemoteRequest.new("r", "peer", 0, 8, 6, 1, 8, 1)  # blocks 0-5 remote, 6-7 its own
+    reads.admit(req)
+    reads.mapped(req)
+    assert reads.place(req, 0, 6, 0) is not None  # a block it completed
+    reads.want(req, 0, [0, 1, 2], 0)
+    reads.flush()
+    reads.poll()
+    reads.want(req, 0, [3, 4], 0)
+    reads.flush()
+    reads.poll()
+    assert (req.where[0, :5, 0] >= 0).all() and store.items_free == 0
+    req.take_arrived()
+    reads.want(req, 0, [5], 0)
+    reads.flush()
+    reads.poll()
+    assert req.where[0, 0, 0] == REMOTE and (req.where[0, 1:7, 0] >= 0).all()  # block 0 arrived first
+    assert 0 in req.take_arrived() and reads.totals.items_evicted == 1
+    assert reads.place(req, 0, 7, 0) is not None and req.where[0, 1, 0] == REMOTE  # then block 1
+    assert req.items_held == 6 and req.items_peak == 6
+    reads.release(req)
+    assert store.items_free == 6 and not reads._arrival
+
+    store = LocalItems(6, 1, 1, torch.float32)
+    reads = RemoteReads(_Recorder(), store)
+    req = RemoteRequest.new("r", "peer", 0, 8, 6, 1, 8, 1)
+    reads.admit(req)
+    reads.want(req, 0, [0, 1, 2, 3, 4, 5], 0)
+    reads.flush()
+    reads.poll()
+    held = (req.where[0, :, 0] >= 0).sum()
+    assert held == 4 and reads.totals.items_no_room == 2  # two items left for its own blocks
+    assert (req.where[0, 4:6, 0] == REMOTE).all()

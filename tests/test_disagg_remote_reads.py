@@ -164,7 +164,9 @@ def test_local_items_runs():
     assert store.bytes_used == 0 and store.allocate(10) is not None
 
 
-def test_no_local_room_leaves_items_remote(side):
+def test_no_local_room_reads_what_fits_and_leaves_the_rest_remote(side):
+    """800 items wanted, 256 in the arena: the read takes what fits less two blocks of every
+    layer and head for the request's own blocks; the others stay remote, asked again later."""
     reads, store = side
     o, _ = owner(7)
     try:
@@ -172,8 +174,11 @@ def test_no_local_room_leaves_items_remote(side):
         a = RemoteRequest.new("a", peer, 0, 200, 200, L, 200, H)
         reads.admit(a)
         reads.want(a, np.arange(L)[:, None, None], np.arange(200)[None, :, None], np.arange(H))
-        assert reads.flush() == 0 and reads.totals.items_no_room == L * 200 * H  # 800 > 256
-        assert (a.where == REMOTE).all() and reads.reads_in_flight == 0
+        room = store.num_items - 2 * L * H
+        assert reads.flush() == room * store.item_bytes and reads.totals.items_no_room == L * 200 * H - room
+        reads.wait()
+        assert (a.where >= 0).sum() == room and (a.where == REMOTE).sum() == L * 200 * H - room
+        assert (a.where[0, :room // H] >= 0).all()  # the first layer's blocks first
     finally:
         reads.release(a)
         o.close()

@@ -53,7 +53,8 @@ class DecodeEngine(LLMEngine):
         self.store = LocalItems.over(self.runner.remote_items)  # the arena the pipeline reads
         self.transport = transport
         transport.register(self.store.items)
-        self.reads = RemoteReads(transport, self.store, read_timeout_s)
+        # On the pipeline every read and placement happens between steps: the arena may evict.
+        self.reads = RemoteReads(transport, self.store, read_timeout_s, evict=self.runner.pipeline is not None)
         m.remote = RemoteSource(self.reads, m.L, strict=strict, want_per_head=config.want_per_head())
         self.link_bytes_per_s = None if link_gbps is None else link_gbps * 1e9 / 8
         self.max_read_bytes = max_read_bytes
@@ -259,7 +260,7 @@ class DecodeEngine(LLMEngine):
         out = super().make_output(seq)
         remote = getattr(seq.sparse, "remote", None)
         if remote is not None:  # what this request cost the decode side
-            out.stats = {**out.stats, "disagg_host_bytes": remote.items_held * self.store.item_bytes,
+            out.stats = {**out.stats, "disagg_host_bytes": remote.items_peak * self.store.item_bytes,
                          "disagg_remote_bytes": remote.bytes_read}
         return out
 
@@ -269,6 +270,7 @@ class DecodeEngine(LLMEngine):
                 "admission_transport_bytes": self.totals["admission_transport_bytes"],
                 "admissions": self.totals["admissions"], "remote_bytes": self.reads.totals.bytes_read,
                 "remote_reads": self.reads.totals.reads, "items_no_room": self.reads.totals.items_no_room,
+                "items_evicted": self.reads.totals.items_evicted,
                 "reads_in_flight": self.reads.reads_in_flight
                 + sum(len(t.pending) for t in list(self._transfers.values())),
                 "leases_held": self.heartbeats.held(), "host_bytes_used": self.store.bytes_used,

@@ -25,7 +25,7 @@ import torch
 
 from oasiskv.disagg.admission import Admission, admit_full, admit_rpf, held_positions
 from oasiskv.disagg.full_transfer import FullTransfer
-from oasiskv.disagg.remote_reads import RemoteReads
+from oasiskv.disagg.remote_reads import HostArenaFull, RemoteReads
 from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sparse.drafters import TokenHistory
@@ -33,6 +33,7 @@ from oasiskv.sparse.working_set import WorkingSet
 
 # How a request whose prefill peer failed ends (the server answers it with 502).
 PREFILL_FAILED = "the prefill instance holding this request's KV failed"
+ARENA_FULL = "the decode server's host arena (--remote-kv-gb) has no room for the blocks this request completes"
 
 
 class RemoteSource:
@@ -85,8 +86,9 @@ class RemoteSource:
         """The write-through of a block the decode side completed: kv [L, Hkv, 2, bs, D]."""
         L, H = kv.shape[:2]
         local = self.reads.place(ws.remote, np.arange(L)[:, None], block, np.arange(H)[None, :])
-        if local is None:
-            raise RuntimeError("the decode side's host items are full")
+        if local is None:  # this request ends after the step; the others go on
+            self.reads.fail_request(ws.remote, HostArenaFull(ws.remote.peer, ARENA_FULL))
+            return
         self.items[torch.from_numpy(local.reshape(L * H))] = kv.reshape(L * H, *kv.shape[2:]).to(self.items.device)
 
     def release(self, ws: WorkingSet) -> None:
@@ -103,7 +105,8 @@ class RemoteSource:
             if req is None or (n + 1) % bs or req.error is not None or req.released:
                 continue
             if self.reads.place(req, np.arange(self.num_layers)[:, None], n // bs, np.arange(H)[None, :]) is None:
-                raise RuntimeError("the decode side's host items are full")
+                # its write-through skips unmapped items; it ends after the step
+                self.reads.fail_request(req, HostArenaFull(req.peer, ARENA_FULL))
         parts = []
         for row, ws in enumerate(pipeline.owners):
             req = ws.remote
@@ -205,7 +208,7 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams,
     slots = torch.tensor(pages, dtype=torch.long)[pos] * m.Hkv + head
     m.kv[layer.to(m.device), slots.to(m.device)] = state.items.to(m.device, m.kv.dtype)
     if p is not None:
-        state.remote.arrived = []  # from now on the map follows the table
+        source.reads.mapped(state.remote)  # from now on the map follows the table
         p.adopt(ws, seq.num_cached_tokens, slot)
         p.remote.set_map(slot, state.remote.where)
     seq.pages, seq.sparse, seq.status = pages, ws, SequenceStatus.RUNNING
@@ -223,6 +226,6 @@ def fail_requests(engine, reads: RemoteReads) -> list:
         seq = engine.seqs.get(req.request_id)
         if seq is None or seq.is_finished:
             continue
-        seq.error = f"{PREFILL_FAILED}: {req.error}"
+        seq.error = ARENA_FULL if isinstance(req.error, HostArenaFull) else f"{PREFILL_FAILED}: {req.error}"
         outputs.append(engine._fail(seq, time.perf_counter()))
     return outputs

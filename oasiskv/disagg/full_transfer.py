@@ -68,6 +68,7 @@ class FullTransfer:
             raise ValueError(f"the admission holds {nb} blocks, more than the request's {max_blocks}")
         remote = RemoteRequest.new(adm.request_id, peer, adm.remote_start, adm.remote_stride, nb, L,
                                    max_blocks, H)
+        remote.rereadable = False  # its lease goes once the transfer is done
         layer, block, head = (a.reshape(-1) for a in np.meshgrid(np.arange(L), np.arange(nb), np.arange(H),
                                                                   indexing="ij"))
         local = reads.place(remote, layer, block, head)

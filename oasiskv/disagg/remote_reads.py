@@ -10,9 +10,17 @@ they were wanted (each head's blocks best first), with adjacent items merged int
 `poll` marks the items of completed reads local, and they count from then on. An item is read at most once: local and in-flight items are
 never asked again. A peer's failed read fails every request of that peer (`failed`), whose
 items are freed once no read can still write into them.
+
+The local arena is a cache of the prefill's host pool: with `evict` (the batched pipeline,
+whose reads and placements all happen between steps), a read or placement that finds it full
+first gives back the prompt items that arrived earliest (FIFO), which a later step reads again
+if it predicts them; blocks the decode side completed itself are never given back. Without it,
+reads leave each request room for the blocks it completes, and what does not fit is left for
+a later step.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +29,10 @@ from oasiskv.disagg.local_items import LocalItems
 from oasiskv.disagg.transport import PendingRead, Transport, TransportError
 
 REMOTE, IN_FLIGHT = -1, -2
+
+
+class HostArenaFull(TransportError):
+    """A block the decode side completed found no room in its arena (--remote-kv-gb)."""
 
 
 @dataclass
@@ -34,6 +46,8 @@ class RemoteRequest:
     where: np.ndarray  # [L, max_blocks, Hkv] int64: local item, REMOTE or IN_FLIGHT
     reads_in_flight: int = 0
     items_held: int = 0  # local items it has taken (placed or read); they go back at release
+    items_peak: int = 0  # the most it held at once
+    rereadable: bool = True  # False once its prefill may free its KV (a full transfer's): never evicted
     bytes_read: int = 0  # remote bytes received for it
     error: TransportError | None = None
     released: bool = False
@@ -91,14 +105,18 @@ class ReadTotals:
     extents: int = 0  # extents in them, after merging
     items_over_budget: int = 0  # wanted items left for a later step by the byte budget
     items_no_room: int = 0  # wanted items left for a later step: the local arena was full
+    items_evicted: int = 0  # local prompt items given back to make room (read again if wanted)
     failed_requests: int = 0
 
 
 class RemoteReads:
     """The batched remote reads of one decode instance."""
 
-    def __init__(self, transport: Transport, store: LocalItems, read_timeout_s: float = 5.0):
+    def __init__(self, transport: Transport, store: LocalItems, read_timeout_s: float = 5.0,
+                 evict: bool = False):
         self.transport, self.store, self.read_timeout_s = transport, store, read_timeout_s
+        self.evict = evict
+        self._arrival: deque[tuple[RemoteRequest, np.ndarray]] = deque()  # evictable items, oldest first
         self._wanted: list[tuple[RemoteRequest, np.ndarray]] = []  # (request, flat where-indices)
         self._reads: list[_Read] = []
         self._doomed: list[RemoteRequest] = []  # released or failed while reads were in flight
@@ -158,12 +176,19 @@ class RemoteReads:
 
     def _post(self, peer: str, parts: list[tuple[RemoteRequest, np.ndarray]]) -> int:
         n = sum(len(flat) for _, flat in parts)
-        local = self.store.allocate(n)
-        if local is None:  # the local arena is full: leave them remote, ask again later
-            self.totals.items_no_room += n
+        room = self._room(n, reserve=self._headroom())
+        if room < n:  # the local arena is full: what does not fit stays remote, asked again later
+            self.totals.items_no_room += n - room
+            kept, left = [], room
             for req, flat in parts:
-                req.where.reshape(-1)[flat] = REMOTE
-            return 0
+                req.where.reshape(-1)[flat[left:]] = REMOTE
+                if left:
+                    kept.append((req, flat[:left]))
+                left = max(0, left - len(flat))
+            parts, n = kept, room
+            if not n:
+                return 0
+        local = self.store.allocate(n)
         items, remote, at = [], [], 0
         for req, flat in parts:
             layer, block, head = np.unravel_index(flat, req.where.shape)
@@ -218,7 +243,7 @@ class RemoteReads:
                 req.where.reshape(-1)[flat] = local
                 if req.arrived is not None:
                     req.arrived.append(flat)
-                req.items_held += len(local)
+                self._hold(req, flat, len(local))
                 req.bytes_read += len(local) * self.store.item_bytes
                 self.totals.bytes_read += len(local) * self.store.item_bytes
             else:
@@ -246,6 +271,22 @@ class RemoteReads:
         """Track the request, so a failure of its peer reaches it even between reads."""
         self.tracked.append(req)
 
+    def mapped(self, req: RemoteRequest) -> None:
+        """The pipeline keeps a map of the request's table from now on (`arrived` logs its
+        changes): the prompt items it holds may be given back when the arena is full."""
+        req.arrived = []
+        if self.evict and req.rereadable:
+            flat = np.flatnonzero(req.where.reshape(-1) >= 0)
+            block = np.unravel_index(flat, req.where.shape)[1]
+            self._arrival.append((req, flat[block < req.remote_blocks]))
+
+    def fail_request(self, req: RemoteRequest, error: TransportError) -> None:
+        """This request alone fails (`failed`, for the engine to end it)."""
+        if req.error is None:
+            req.error = error
+            self.failed.append(req)
+            self.totals.failed_requests += 1
+
     def place(self, req: RemoteRequest, layer, block, head) -> np.ndarray | None:
         """Local items for items of `req` that arrive otherwise (the admission's working set,
         blocks the decode side completes itself), marked local; None if the arena is full.
@@ -256,19 +297,64 @@ class RemoteReads:
         if (where[flat] == IN_FLIGHT).any():
             raise ValueError("an item placed while a read of it is in flight")
         new = np.unique(flat[where[flat] == REMOTE])
-        local = self.store.allocate(len(new))
-        if local is None:
+        if self._room(len(new)) < len(new):
             return None
-        where[new] = local
+        where[new] = self.store.allocate(len(new))
         if req.arrived is not None:
             req.arrived.append(new)
-        req.items_held += len(new)
+        block = np.unravel_index(new, req.where.shape)[1]
+        self._hold(req, new[block < req.remote_blocks], len(new))
         return where[flat]
+
+    # ---- the arena ------------------------------------------------------------------
+    def _hold(self, req: RemoteRequest, evictable: np.ndarray, n: int) -> None:
+        req.items_held += n
+        req.items_peak = max(req.items_peak, req.items_held)
+        if self.evict and req.rereadable and req.arrived is not None and len(evictable):
+            self._arrival.append((req, evictable))
+
+    def _headroom(self) -> int:
+        """Without eviction, reads leave two blocks of every layer and head to each tracked
+        request, for the blocks it completes itself."""
+        if self.evict or not self.tracked:
+            return 0
+        L, _, H = self.tracked[0].where.shape
+        return 2 * L * H * len(self.tracked)
+
+    def _room(self, n: int, reserve: int = 0) -> int:
+        """How many of n items the arena can take now, leaving `reserve`, after giving back
+        the earliest arrived evictable items where eviction is on."""
+        short = n + reserve - self.store.items_free
+        if short > 0 and self.evict:
+            self._evict(short)
+        return max(0, min(n, self.store.items_free - reserve))
+
+    def _evict(self, n: int) -> None:
+        """Give back up to n local prompt items, those that arrived first; the pipeline's map
+        learns of them through `arrived` (their entries read REMOTE now)."""
+        freed = 0
+        while freed < n and self._arrival:
+            req, flat = self._arrival.popleft()
+            where = req.where.reshape(-1)
+            flat = flat[where[flat] >= 0]
+            if req.released or not len(flat):
+                continue
+            take, rest = flat[:n - freed], flat[n - freed:]
+            if len(rest):
+                self._arrival.appendleft((req, rest))
+            self.store.free(where[take])
+            where[take] = REMOTE
+            req.arrived.append(take)
+            req.items_held -= len(take)
+            freed += len(take)
+        self.totals.items_evicted += freed
 
     def release(self, req: RemoteRequest) -> None:
         """The request is done: its local items go back once no read writes into them."""
         req.released = True
         self.tracked = [r for r in self.tracked if r is not req]  # by identity: `==` compares arrays
+        if self.evict:
+            self._arrival = deque(e for e in self._arrival if e[0] is not req)
         self._doomed.append(req)
         self._free_doomed()
 

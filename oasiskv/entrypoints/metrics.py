@@ -121,6 +121,8 @@ class ServerMetrics:
              "at most)."),
             ("items_no_room", "disagg_items_no_room", "Decode role: wanted blocks left unread because the host "
              "arena (--remote-kv-gb) was full."),
+            ("items_evicted", "disagg_items_evicted", "Decode role: prompt blocks given back from the full host "
+             "arena to make room (read again if predicted again)."),
             ("lease_expiries", "disagg_lease_expiries", "Prefill role: leases that ended by expiry (no "
              "heartbeat within the TTL), not by release."),
             ("failed_requests", "disagg_failed_requests", "Decode role: requests failed because their prefill "
