@@ -1,9 +1,11 @@
 """The NIXL transport (NVIDIA's NIXL over UCX, `nixl-cu12`; docs/disaggregation.md).
 
-Each side makes one agent with NIXL's progress thread off (on a small host it competes with
-the engine for cores) and registers its region once. The reader drives its reads' progress
-when it polls; the owner must progress too (UCX's connection set-up, and reads that are not
-zero-copy), so `serve` starts a thread that does that every millisecond.
+Each side makes one agent and registers its region once. NIXL's progress thread runs where
+the host has cores to spare (`progress_thread`, default: 8 or more cores, or
+OASISKV_NIXL_PROGRESS_THREAD=on|off), so a read's copies
+happen beside the engine; otherwise (on a small host it competes with the engine) the reader
+drives its reads' progress when it polls, and `serve` starts a thread that progresses the
+owner (UCX's connection set-up, and reads that are not zero-copy) every millisecond.
 `metadata()` carries the agent's metadata plus the region's address and size; `add_peer` loads
 the agent metadata into the local agent. A batched read is one NIXL READ request of N
 descriptors, (remote address, length) into (local address, length).
@@ -50,6 +52,7 @@ def nixl_available() -> str | None:
 
 
 PROGRESS_INTERVAL_S = 0.001
+PROGRESS_THREAD_MIN_CORES = 8
 
 
 def _is_disconnect(e: Exception) -> bool:
@@ -59,13 +62,18 @@ def _is_disconnect(e: Exception) -> bool:
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None):
+    def __init__(self, agent_name: str | None = None, progress_thread: bool | None = None):
         super().__init__()
         nixl = _import_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
+        if progress_thread is None:  # OASISKV_NIXL_PROGRESS_THREAD=on|off overrides the core count
+            choice = os.environ.get("OASISKV_NIXL_PROGRESS_THREAD", "auto")
+            progress_thread = choice == "on" or (choice == "auto"
+                                                 and (os.cpu_count() or 1) >= PROGRESS_THREAD_MIN_CORES)
+        self.progress_thread = progress_thread
         # UCX reads UCX_* from the environment at agent creation: e.g. UCX_TLS to restrict it.
-        # STRICT: the owner's progress thread and the caller share the agent.
-        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+        # STRICT: a progress thread and the caller share the agent.
+        config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
                                         sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent_name = agent_name or f"oasiskv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl.nixl_agent(self.agent_name, config)
@@ -79,6 +87,8 @@ class NixlTransport(Transport):
         self._base = region.data_ptr()
 
     def serve(self) -> None:
+        if self.progress_thread:  # NIXL's own thread progresses the owner's side too
+            return
         self._progress_thread = threading.Thread(target=self._progress_forever, name="nixl-progress",
                                                  daemon=True)
         self._progress_thread.start()

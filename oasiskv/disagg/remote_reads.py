@@ -106,6 +106,7 @@ class ReadTotals:
     items_over_budget: int = 0  # wanted items left for a later step by the byte budget
     items_no_room: int = 0  # wanted items left for a later step: the local arena was full
     items_evicted: int = 0  # local prompt items given back to make room (read again if wanted)
+    items_peer_busy: int = 0  # wanted items not asked: their peer's previous read was still in flight
     failed_requests: int = 0
 
 
@@ -138,8 +139,9 @@ class RemoteReads:
     def flush(self, budget_bytes: int | None = None) -> int:
         """Post one read per peer for the items wanted since the last flush, at most
         `budget_bytes` in all, taken layer by layer and within a layer in the order asked;
-        returns the bytes posted. Items over the budget are dropped (the stages ask again next
-        step if they still want them)."""
+        returns the bytes posted. A peer whose previous read is still in flight gets none.
+        Items over the budget or not asked are dropped (the stages ask again next step if they
+        still want them)."""
         asks = [(req, flat) for req, flat in self._wanted if req.error is None and not req.released]
         self._wanted = []
         if not asks:
@@ -164,9 +166,12 @@ class RemoteReads:
             self.totals.items_over_budget += len(flat) - keep
             who, flat = who[:keep], flat[:keep]
         by_peer: dict[str, list[tuple[RemoteRequest, np.ndarray]]] = {}
-        for i, req in enumerate(requests):
+        busy = {read.pending.peer for read in self._reads}  # one read in flight per peer: the
+        for i, req in enumerate(requests):                  # reads go at the pace the link keeps
             mine = flat[who == i]
-            if len(mine):
+            if len(mine) and req.peer in busy:
+                self.totals.items_peer_busy += len(mine)
+            elif len(mine):
                 req.where.reshape(-1)[mine] = IN_FLIGHT
                 by_peer.setdefault(req.peer, []).append((req, mine))
         posted = 0
