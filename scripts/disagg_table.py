@@ -37,6 +37,7 @@ def row(out_dir: Path, name: str) -> dict | None:
             "completed": bench["completed"], "failed": bench["failed"],
             "admission_bytes_per_request": per(d.get("oasiskv:disagg_admission_bytes_total", 0.0), admitted),
             "decode_host_bytes_per_request": per(d.get("oasiskv:disagg_request_host_bytes_sum", 0.0), finished),
+            "decode_host_bytes_peak": d.get("oasiskv:disagg_host_bytes_peak"),
             "remote_bytes_per_request": per(d.get("oasiskv:disagg_remote_read_bytes_total", 0.0), admitted),
             "items_no_room": d.get("oasiskv:disagg_items_no_room_total", 0.0),
             "items_evicted_per_request": per(d.get("oasiskv:disagg_items_evicted_total", 0.0), admitted),
@@ -63,19 +64,21 @@ def main() -> None:
     full = {r["transport"]: r for r in rows if r["mode"] == "full"}
     lines = [f"{args.prompts} x {args.input_len}-token prompts, {args.output_len} out, {args.model}, K = {args.top_k}"
              + (f"; tcp: UCX_TLS={args.tcp_tls}" if args.tcp_tls else ""), "",
-             "| case | done | admission MB / req | x fewer | decode host MB / req | x less | remote MB / req "
-             "| items given back / req | TTFT mean ms | TPOT median ms | out tok/s | vs full |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| case | done | admission MB / req | x fewer | decode host MB / req (its peak) | decode host GB (load's peak) "
+             "| x less | remote MB / req | items given back / req | TTFT mean ms | TPOT median ms | out tok/s | vs full |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = full.get(r["transport"])
         ratio = lambda k: (base[k] / r[k] if base and base.get(k) and r.get(k) else None)  # noqa: E731
         speed = (r["output_throughput"] / base["output_throughput"] if base and base["output_throughput"] else None)
         r.update(admission_fewer=ratio("admission_bytes_per_request"),
-                 host_less=ratio("decode_host_bytes_per_request"), throughput_vs_full=speed)
+                 host_less=ratio("decode_host_bytes_peak"), throughput_vs_full=speed)
         mb = lambda v: None if v is None else v / 1e6  # noqa: E731
         lines.append(f"| {r['case']} | {r['completed']}/{r['completed'] + r['failed']} "
                      f"| {fmt(mb(r['admission_bytes_per_request']), ',.0f')} | {fmt(r['admission_fewer'], '.2f')} "
-                     f"| {fmt(mb(r['decode_host_bytes_per_request']), ',.0f')} | {fmt(r['host_less'], '.2f')} "
+                     f"| {fmt(mb(r['decode_host_bytes_per_request']), ',.0f')} "
+                     f"| {fmt(None if r['decode_host_bytes_peak'] is None else r['decode_host_bytes_peak'] / 1e9, ',.2f')} "
+                     f"| {fmt(r['host_less'], '.2f')} "
                      f"| {fmt(mb(r['remote_bytes_per_request']), ',.0f')} "
                      f"| {fmt(r['items_evicted_per_request'], ',.0f')} | {r['mean_ttft_ms']:,.0f} "
                      f"| {r['median_tpot_ms']:.1f} | {r['output_throughput']:.1f} | {fmt(speed, '.3f')} |")

@@ -30,6 +30,7 @@ from oasiskv.disagg.local_items import LocalItems
 from oasiskv.disagg.prefill_side import hand_over
 from oasiskv.disagg.remote_reads import RemoteReads
 from oasiskv.disagg.socket_transport import SocketTransport
+from oasiskv.disagg.transport import PendingRead
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
 from oasiskv.sparse.remote_rows import RemoteRows
 from server_client import call, free_port, metrics
@@ -278,7 +279,7 @@ class _Recorder:
 
     def read(self, peer, extents, local_offsets, timeout_s):
         self.reads.append((peer, extents.copy()))
-        return peer
+        return PendingRead(peer, int(extents[:, 1].sum()), float("inf"))
 
     def poll(self, pending) -> bool:
         return True
@@ -494,3 +495,33 @@ def test_full_arena_gives_back_the_earliest_prompt_items():
     held = (req.where[0, :, 0] >= 0).sum()
     assert held == 4 and reads.totals.items_no_room == 2  # two items left for its own blocks
     assert (req.where[0, 4:6, 0] == REMOTE).all()
+
+
+def test_one_read_in_flight_per_peer():
+    """A peer whose read is still in flight gets no new one: the step's asks are dropped (asked
+    again later) and reads go at the pace the link keeps; another peer reads on."""
+    from oasiskv.disagg.remote_reads import REMOTE, RemoteRequest
+
+    class Held(_Recorder):
+        done = False
+
+        def poll(self, pending) -> bool:
+            return self.done
+
+    transport = Held()
+    reads = RemoteReads(transport, LocalItems(64, 1, 1, torch.float32))
+    slow, other = (RemoteRequest.new(name, name, 0, 8, 8, 1, 8, 1) for name in ("slow", "other"))
+    for req in (slow, other):
+        reads.admit(req)
+    reads.want(slow, 0, [1, 2], 0)
+    assert reads.flush() > 0 and len(transport.reads) == 1
+    reads.want(slow, 0, [3], 0)
+    reads.want(other, 0, [3], 0)
+    reads.flush()
+    assert [peer for peer, _ in transport.reads] == ["slow", "other"]
+    assert reads.totals.items_peer_busy == 1 and slow.where[0, 3, 0] == REMOTE
+    transport.done = True
+    reads.poll()
+    reads.want(slow, 0, [3], 0)
+    reads.flush()
+    assert [peer for peer, _ in transport.reads][-1] == "slow" and slow.where[0, 3, 0] != REMOTE

@@ -274,6 +274,7 @@ class DecodeEngine(LLMEngine):
                 "reads_in_flight": self.reads.reads_in_flight
                 + sum(len(t.pending) for t in list(self._transfers.values())),
                 "leases_held": self.heartbeats.held(), "host_bytes_used": self.store.bytes_used,
+                "host_bytes_peak": self.store.peak_items * self.store.item_bytes,
                 "host_bytes_total": self.store.num_items * self.store.item_bytes,
                 "failed_requests": self.reads.totals.failed_requests + self.lease_failures
                                    + self.transfer_failures}

@@ -34,6 +34,7 @@ class LocalItems:
         self.item_bytes = 2 * block_size * head_dim * dtype.itemsize
         self._runs: list[tuple[int, int]] = [(0, num_items)] if num_items else []  # (start, length)
         self._free_count = num_items
+        self.peak_items = 0  # the most handed out at once
         self._grow = None  # called with the end of every batch handed out
 
     @property
@@ -63,6 +64,7 @@ class LocalItems:
                 self._runs[0] = (start + take, length - take)
             need -= take
         self._free_count -= n
+        self.peak_items = max(self.peak_items, self.num_items - self._free_count)
         if not out:
             return np.zeros(0, dtype=np.int64)
         if self._grow is not None:

@@ -1,11 +1,12 @@
 """The NIXL transport (NVIDIA's NIXL over UCX, `nixl-cu12`; docs/disaggregation.md).
 
-Each side makes one agent and registers its region once. NIXL's progress thread runs where
-the host has cores to spare (`progress_thread`, default: 8 or more cores, or
-OASISKV_NIXL_PROGRESS_THREAD=on|off), so a read's copies
-happen beside the engine; otherwise (on a small host it competes with the engine) the reader
-drives its reads' progress when it polls, and `serve` starts a thread that progresses the
-owner (UCX's connection set-up, and reads that are not zero-copy) every millisecond.
+Each side makes one agent and registers its region once, NIXL's progress thread off (on a
+small host it competes with the engine; OASISKV_NIXL_PROGRESS_THREAD=on turns it on). On one
+host UCX does a READ's copies inside the call that posts it, so the reader posts and settles
+its reads on a thread of its own (NIXL releases the GIL meanwhile) and `poll` only looks at
+the outcome: the engine never waits for a copy. The owner must progress too (UCX's connection
+set-up, and reads that are not zero-copy), so `serve` starts a thread that does that every
+millisecond.
 `metadata()` carries the agent's metadata plus the region's address and size; `add_peer` loads
 the agent metadata into the local agent. A batched read is one NIXL READ request of N
 descriptors, (remote address, length) into (local address, length).
@@ -21,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -52,7 +55,7 @@ def nixl_available() -> str | None:
 
 
 PROGRESS_INTERVAL_S = 0.001
-PROGRESS_THREAD_MIN_CORES = 8
+SETTLE_INTERVAL_S = 0.0002
 
 
 def _is_disconnect(e: Exception) -> bool:
@@ -66,10 +69,8 @@ class NixlTransport(Transport):
         super().__init__()
         nixl = _import_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
-        if progress_thread is None:  # OASISKV_NIXL_PROGRESS_THREAD=on|off overrides the core count
-            choice = os.environ.get("OASISKV_NIXL_PROGRESS_THREAD", "auto")
-            progress_thread = choice == "on" or (choice == "auto"
-                                                 and (os.cpu_count() or 1) >= PROGRESS_THREAD_MIN_CORES)
+        if progress_thread is None:
+            progress_thread = os.environ.get("OASISKV_NIXL_PROGRESS_THREAD", "off") == "on"
         self.progress_thread = progress_thread
         # UCX reads UCX_* from the environment at agent creation: e.g. UCX_TLS to restrict it.
         # STRICT: a progress thread and the caller share the agent.
@@ -81,6 +82,8 @@ class NixlTransport(Transport):
         self._reg = None
         self._closed = threading.Event()
         self._progress_thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # reads for the poster thread
+        self._poster: threading.Thread | None = None
 
     def _register(self, region: torch.Tensor) -> None:
         self._reg = self.agent.register_memory(region)
@@ -139,21 +142,34 @@ class NixlTransport(Transport):
         p = self._peer(pending.peer)
         if p["error"] is not None:
             raise p["error"]
-        try:
-            handle = self.agent.initialize_xfer("READ", self._descs(self._base, local, lengths),
-                                                self._descs(p["addr"], offsets, lengths), pending.peer)
-            status = self.agent.transfer(handle)
-        except Exception as e:
-            raise self._error(pending.peer, e) from e
-        pending.state = handle
-        self._settle(pending, status)
+        if self._poster is None:
+            self._poster = threading.Thread(target=self._post_forever, name="nixl-reads", daemon=True)
+            self._poster.start()
+        self._jobs.put((pending, offsets, lengths, local, p["addr"]))
+
+    def _post_forever(self) -> None:
+        """The poster thread: each read posted (its copies done here, on one host) and settled
+        in turn; a read that timed out meanwhile (`pending.error` set) is abandoned."""
+        while (job := self._jobs.get()) is not None:
+            pending, offsets, lengths, local, addr = job
+            if pending.error is not None:
+                continue
+            try:
+                pending.state = self.agent.initialize_xfer("READ", self._descs(self._base, local, lengths),
+                                                           self._descs(addr, offsets, lengths), pending.peer)
+                status = self.agent.transfer(pending.state)
+                while status == "PROC" and pending.error is None:
+                    time.sleep(SETTLE_INTERVAL_S)
+                    status = self.agent.check_xfer_state(pending.state)
+            except Exception as e:
+                status = e
+            if pending.error is None:
+                self._settle(pending, status)
+            else:
+                self._release(pending)
 
     def _progress(self, pending: PendingRead) -> None:
-        try:
-            status = self.agent.check_xfer_state(pending.state)
-        except Exception as e:
-            status = e
-        self._settle(pending, status)
+        """Nothing to do: the poster thread settles every read."""
 
     def _settle(self, pending: PendingRead, status) -> None:
         if status == "PROC":
@@ -182,7 +198,7 @@ class NixlTransport(Transport):
             pending.state = None
 
     def _drop(self, pending: PendingRead) -> None:
-        self._release(pending)  # releasing a request in flight aborts it
+        # pending.error is set: the poster thread releases (aborts) it
         if pending.peer in self._peers:
             self._peers[pending.peer]["error"] = PeerDisconnected(pending.peer, "dropped after a read timed out")
 
@@ -190,6 +206,9 @@ class NixlTransport(Transport):
         self._closed.set()
         if self._progress_thread is not None:
             self._progress_thread.join()
+        if self._poster is not None:
+            self._jobs.put(None)
+            self._poster.join()
         for peer in list(self._peers):
             self.remove_peer(peer)
         if self._reg is not None:

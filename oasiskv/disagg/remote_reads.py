@@ -142,8 +142,12 @@ class RemoteReads:
         returns the bytes posted. A peer whose previous read is still in flight gets none.
         Items over the budget or not asked are dropped (the stages ask again next step if they
         still want them)."""
-        asks = [(req, flat) for req, flat in self._wanted if req.error is None and not req.released]
+        busy = {read.pending.peer for read in self._reads}  # one read in flight per peer: the
+        asks = [(req, flat) for req, flat in self._wanted  # reads go at the pace the link keeps
+                if req.error is None and not req.released]
         self._wanted = []
+        self.totals.items_peer_busy += sum(len(flat) for req, flat in asks if req.peer in busy)
+        asks = [(req, flat) for req, flat in asks if req.peer not in busy]
         if not asks:
             return 0
         requests = list({id(req): req for req, _ in asks}.values())
@@ -166,12 +170,9 @@ class RemoteReads:
             self.totals.items_over_budget += len(flat) - keep
             who, flat = who[:keep], flat[:keep]
         by_peer: dict[str, list[tuple[RemoteRequest, np.ndarray]]] = {}
-        busy = {read.pending.peer for read in self._reads}  # one read in flight per peer: the
-        for i, req in enumerate(requests):                  # reads go at the pace the link keeps
+        for i, req in enumerate(requests):
             mine = flat[who == i]
-            if len(mine) and req.peer in busy:
-                self.totals.items_peer_busy += len(mine)
-            elif len(mine):
+            if len(mine):
                 req.where.reshape(-1)[mine] = IN_FLIGHT
                 by_peer.setdefault(req.peer, []).append((req, mine))
         posted = 0

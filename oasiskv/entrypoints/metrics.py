@@ -133,7 +133,9 @@ class ServerMetrics:
              "(prefill role) or renewed by this server (decode role)."),
             ("host_bytes_used", "disagg_host_bytes_used", "Decode role: host bytes holding admitted requests' "
              "blocks (what they received, read or wrote)."),
-            ("host_bytes_total", "disagg_host_bytes_total", "Decode role: size of that host arena."))}
+            ("host_bytes_total", "disagg_host_bytes_total", "Decode role: size of that host arena."),
+            ("host_bytes_peak", "disagg_host_bytes_peak", "Decode role: the most host bytes that arena held at "
+             "once since the server started."))}
         self.disagg_request_host_bytes = add(Histogram, "disagg_request_host_bytes", "Decode role: host bytes "
                                              "a finished admitted request held at its end (its peak).",
                                              buckets=tuple(2.0 ** i for i in range(20, 38)))
