@@ -123,11 +123,17 @@ class RemoteSource:
     def after_pipeline_step(self, pipeline) -> None:
         """The step's wanted blocks (read with its tokens) asked for, one call per row (the
         flush takes them layer by layer, as the in-line path asks), and posted: one read per
-        peer, under the byte budget."""
+        peer, under the byte budget. Rows whose peer has a read in flight ask nothing (none
+        would be posted), and when that is every row the step's wanted are not even read."""
+        self.reads.poll()
+        busy = self.reads.busy_peers()  # they get no read this step: skip their rows' asks
+        rows = [ws.remote for ws in pipeline.owners]
+        if not any(req is not None and req.peer not in busy for req in rows):
+            return
         layer, row, head, block = pipeline.remote.read_wanted()  # row by row
         for seg in np.split(np.arange(len(row)), np.flatnonzero(np.diff(row)) + 1) if len(row) else []:
-            req = pipeline.owners[row[seg[0]]].remote
-            if req is not None:
+            req = rows[row[seg[0]]]
+            if req is not None and req.peer not in busy:
                 self.reads.want(req, layer[seg], block[seg], head[seg])
         self.reads.flush(self.budget_bytes)
 

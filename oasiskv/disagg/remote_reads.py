@@ -142,8 +142,8 @@ class RemoteReads:
         returns the bytes posted. A peer whose previous read is still in flight gets none.
         Items over the budget or not asked are dropped (the stages ask again next step if they
         still want them)."""
-        busy = {read.pending.peer for read in self._reads}  # one read in flight per peer: the
-        asks = [(req, flat) for req, flat in self._wanted  # reads go at the pace the link keeps
+        busy = self.busy_peers()  # one read in flight per peer: the reads go at the link's pace
+        asks = [(req, flat) for req, flat in self._wanted
                 if req.error is None and not req.released]
         self._wanted = []
         self.totals.items_peer_busy += sum(len(flat) for req, flat in asks if req.peer in busy)
@@ -373,6 +373,10 @@ class RemoteReads:
             self.store.free(req.local_items())
             req.where[...] = REMOTE
         self._doomed = keep
+
+    def busy_peers(self) -> set[str]:
+        """The peers with a read in flight (they get no new one until it settles)."""
+        return {read.pending.peer for read in self._reads}
 
     @property
     def reads_in_flight(self) -> int:
