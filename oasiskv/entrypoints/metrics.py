@@ -137,7 +137,7 @@ class ServerMetrics:
             ("host_bytes_peak", "disagg_host_bytes_peak", "Decode role: the most host bytes that arena held at "
              "once since the server started."))}
         self.disagg_request_host_bytes = add(Histogram, "disagg_request_host_bytes", "Decode role: host bytes "
-                                             "a finished admitted request held at its end (its peak).",
+                                             "a finished admitted request held at once at most.",
                                              buckets=tuple(2.0 ** i for i in range(20, 38)))
         self._seen: dict[str, float] = {}  # engine totals already added to the counters
         self._disagg = None  # a role server's engine.disagg_stats, once the engine thread ran
