@@ -525,3 +525,16 @@ def test_one_read_in_flight_per_peer():
     reads.want(slow, 0, [3], 0)
     reads.flush()
     assert [peer for peer, _ in transport.reads][-1] == "slow" and slow.where[0, 3, 0] != REMOTE
+
+
+def test_an_item_asked_twice_is_read_once():
+    from oasiskv.disagg.remote_reads import RemoteRequest
+    transport = _Recorder()
+    reads = RemoteReads(transport, LocalItems(16, 1, 1, torch.float32))
+    req = RemoteRequest.new("r", "peer", 0, 8, 8, 1, 8, 1)
+    reads.admit(req)
+    reads.want(req, 0, [3, 3, 5], 0)
+    reads.want(req, 0, [5, 6], 0)
+    assert reads.flush() == 3 * reads.store.item_bytes
+    reads.poll()
+    assert sorted(req.where[0, [3, 5, 6], 0].tolist()) == [0, 1, 2] and reads.store.items_free == 13

@@ -148,37 +148,47 @@ class RemoteReads:
         self._wanted = []
         self.totals.items_peer_busy += sum(len(flat) for req, flat in asks if req.peer in busy)
         asks = [(req, flat) for req, flat in asks if req.peer not in busy]
-        if not asks:
-            return 0
-        requests = list({id(req): req for req, _ in asks}.values())
-        number = {id(req): i for i, req in enumerate(requests)}
-        who = np.concatenate([np.full(len(flat), number[id(req)], dtype=np.int64) for req, flat in asks])
-        flat = np.concatenate([flat for _, flat in asks])
-        _, first = np.unique(who << 40 | flat, return_index=True)
-        first.sort()  # once each, where first asked
-        who, flat = who[first], flat[first]
-        remote = np.empty(len(flat), dtype=bool)
-        for i, req in enumerate(requests):  # not asked by an earlier flush
-            mine = who == i
-            remote[mine] = req.where.reshape(-1)[flat[mine]] == REMOTE
-        who, flat = who[remote], flat[remote]
-        per_layer = np.array([req.where[0].size for req in requests])  # a layer's where-entries
-        order = np.argsort(flat // per_layer[who], kind="stable")
-        who, flat = who[order], flat[order]
-        if budget_bytes is not None:
-            keep = max(0, min(len(flat), budget_bytes // self.store.item_bytes))
-            self.totals.items_over_budget += len(flat) - keep
-            who, flat = who[:keep], flat[:keep]
+        # Each item once and not asked by an earlier flush: marked in flight as it is taken.
+        taken: list[tuple[RemoteRequest, np.ndarray]] = []
+        for req, flat in asks:
+            where = req.where.reshape(-1)
+            flat = flat[where[flat] == REMOTE]
+            if len(flat):
+                tag = IN_FLIGHT - 1 - np.arange(len(flat))  # an item asked twice keeps one tag
+                where[flat] = tag
+                flat = flat[where[flat] == tag]
+                where[flat] = IN_FLIGHT
+                taken.append((req, flat))
+        if budget_bytes is not None:  # layer by layer across requests, in the order asked
+            taken = self._within_budget(taken, budget_bytes // self.store.item_bytes)
         by_peer: dict[str, list[tuple[RemoteRequest, np.ndarray]]] = {}
-        for i, req in enumerate(requests):
-            mine = flat[who == i]
-            if len(mine):
-                req.where.reshape(-1)[mine] = IN_FLIGHT
-                by_peer.setdefault(req.peer, []).append((req, mine))
+        for req, flat in taken:
+            by_peer.setdefault(req.peer, []).append((req, flat))
         posted = 0
         for peer, parts in by_peer.items():
             posted += self._post(peer, parts)
         return posted
+
+    def _within_budget(self, taken: list[tuple[RemoteRequest, np.ndarray]], keep: int
+                       ) -> list[tuple[RemoteRequest, np.ndarray]]:
+        """The first `keep` items of `taken` taken layer by layer (stable: within a layer in
+        the order asked); the others go back to REMOTE."""
+        total = sum(len(flat) for _, flat in taken)
+        if total <= keep:
+            return taken
+        who = np.concatenate([np.full(len(flat), i) for i, (_, flat) in enumerate(taken)])
+        flat = np.concatenate([flat for _, flat in taken])
+        layer = flat // np.array([req.where[0].size for req, _ in taken])[who]
+        chosen = np.zeros(total, dtype=bool)
+        chosen[np.argsort(layer, kind="stable")[:max(0, keep)]] = True
+        self.totals.items_over_budget += total - int(chosen.sum())
+        out = []
+        for i, (req, _) in enumerate(taken):
+            mine, ok = flat[who == i], chosen[who == i]
+            req.where.reshape(-1)[mine[~ok]] = REMOTE
+            if ok.any():
+                out.append((req, mine[ok]))
+        return out
 
     def _post(self, peer: str, parts: list[tuple[RemoteRequest, np.ndarray]]) -> int:
         n = sum(len(flat) for _, flat in parts)
