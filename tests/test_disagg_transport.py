@@ -216,3 +216,47 @@ def test_lease_expiry_frees_the_extent(owners, reader):
     assert owner.ask("beat decode-0 r2") == {"lost": ["r2"]}
     assert owner.ask("used")["used"] == src["nbytes"]  # void, not yet freed
     assert owner.used_after_reap(timeout_s=3.0) == {"used": 0, "leases": 0}
+
+
+class _SlowAgent:
+    """Stands in for a NIXL agent whose posting call does the copies (as UCX does between two
+    processes of one host): `transfer` returns only once `release` is set."""
+
+    def __init__(self):
+        import threading
+        self.release, self.posted = threading.Event(), threading.Event()
+
+    def get_xfer_descs(self, rows, kind):
+        return rows
+
+    def initialize_xfer(self, op, local, remote, peer):
+        return object()
+
+    def transfer(self, handle):
+        self.posted.set()
+        self.release.wait(10)
+        return "DONE"
+
+    def release_xfer_handle(self, handle):
+        pass
+
+
+def test_nixl_reads_post_off_the_callers_thread():
+    """`read` returns while the posting call is still copying, `poll` says not done, and the
+    read completes once the copies do: the engine's thread never waits for a copy."""
+    if nixl_available() is not None:
+        pytest.skip(nixl_available())
+    from oasiskv.disagg.nixl_transport import NixlTransport
+    t = NixlTransport()
+    real, t.agent = t.agent, _SlowAgent()  # the real one back for close()
+    region = torch.zeros(1 << 16, dtype=torch.uint8)
+    t.region, t._base = region, region.data_ptr()
+    t._peers["p"] = {"addr": 0, "size": 1 << 16, "error": None}
+    pending = t.read("p", np.array([[0, 4096]]), np.array([0]), timeout_s=10)
+    assert t.agent.posted.wait(5) and not t.poll(pending)
+    t.agent.release.set()
+    t.wait(pending)
+    assert pending.done
+    t._peers.clear()
+    t.agent = real
+    t.close()
