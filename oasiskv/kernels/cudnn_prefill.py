@@ -4,7 +4,8 @@
 A chunk at positions [P, P + L) of its sequence attends its prefix (every query sees every key:
 no mask) and itself (causal). cuDNN computes each part with its log-sum-exp, and the two parts
 merge as the online softmax would. The chunk's own keys and values come as the layer computed
-them; the prefix's are gathered out of the pages into one contiguous buffer (one copy).
+them; the prefix's are gathered out of the pages into one contiguous buffer (one copy); the
+merge is one pass (`merge_attention`).
 
 On one H200 (Qwen3-8B's heads, bf16) cuDNN is faster where a chunk has many (query, key) pairs
 (a 32K prompt in one chunk: 566 against 366 TFLOP/s; 4,096 after 28K: 463 against 378) and
@@ -20,6 +21,8 @@ import functools
 import os
 
 import torch
+
+from oasiskv.kernels.merge_attention import merge_parts
 
 # Chunks whose (query, key) pairs reach this go to cuDNN under the default backend ("auto"):
 # a 4,096-token chunk from an 8K offset on, a 7K first chunk.
@@ -113,11 +116,7 @@ def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor
     kv = gather_keys(kv_cache, pages, prefix, Hkv)
     # Without a mask a kv head's G query heads are one longer query: no copy of the prefix's keys.
     pre, pre_lse = _attention_lse(qh.reshape(1, Hkv, G * L, D), kv[0][None], kv[1][None], False, scale)
-    pre, pre_lse = pre.view(1, Hq, L, D), pre_lse.view(1, Hq, L, 1)
-    top = torch.maximum(own_lse, pre_lse)
-    w_own, w_pre = torch.exp(own_lse - top), torch.exp(pre_lse - top)
-    out = (own.float() * w_own + pre.float() * w_pre) / (w_own + w_pre)
-    return out[0].transpose(0, 1).to(q.dtype)
+    return merge_parts(own[0], own_lse[0, ..., 0], pre.view(Hq, L, D), pre_lse.view(Hq, L), q.dtype)
 
 
 def warm_up_offsets(chunk: int, max_len: int) -> list[int]:
