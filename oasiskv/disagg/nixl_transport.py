@@ -1,7 +1,7 @@
 """The NIXL transport (NVIDIA's NIXL over UCX, `nixl-cu12`; docs/disaggregation.md).
 
 Each side makes one agent and registers its region once, NIXL's progress thread off (on a
-small host it competes with the engine; OASISKV_NIXL_PROGRESS_THREAD=on turns it on). On one
+small host it competes with the engine: it halved the read rate on 2 cores). On one
 host UCX does a READ's copies inside the call that posts it, so the reader posts and settles
 its reads on a thread of its own (NIXL releases the GIL meanwhile) and `poll` only looks at
 the outcome: the engine never waits for a copy. The owner must progress too (UCX's connection
@@ -65,16 +65,13 @@ def _is_disconnect(e: Exception) -> bool:
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None, progress_thread: bool | None = None):
+    def __init__(self, agent_name: str | None = None):
         super().__init__()
         nixl = _import_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
-        if progress_thread is None:
-            progress_thread = os.environ.get("OASISKV_NIXL_PROGRESS_THREAD", "off") == "on"
-        self.progress_thread = progress_thread
         # UCX reads UCX_* from the environment at agent creation: e.g. UCX_TLS to restrict it.
-        # STRICT: a progress thread and the caller share the agent.
-        config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+        # STRICT: the owner's progress thread, the poster thread and the caller share the agent.
+        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                         sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent_name = agent_name or f"oasiskv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl.nixl_agent(self.agent_name, config)
@@ -90,8 +87,6 @@ class NixlTransport(Transport):
         self._base = region.data_ptr()
 
     def serve(self) -> None:
-        if self.progress_thread:  # NIXL's own thread progresses the owner's side too
-            return
         self._progress_thread = threading.Thread(target=self._progress_forever, name="nixl-progress",
                                                  daemon=True)
         self._progress_thread.start()

@@ -78,6 +78,11 @@ class RemoteRequest:
         return got
 
 
+def _prompt_items(req: RemoteRequest, flat: np.ndarray) -> np.ndarray:
+    """The where-indices among `flat` of blocks the prefill holds (readable again)."""
+    return flat[np.unravel_index(flat, req.where.shape)[1] < req.remote_blocks]
+
+
 def merge_runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pairs (remote item, local item), sorted by remote item, as extents: (remote first item,
     local first item, item count) of every run adjacent on both sides."""
@@ -292,9 +297,7 @@ class RemoteReads:
         changes): the prompt items it holds may be given back when the arena is full."""
         req.arrived = []
         if self.evict and req.rereadable:
-            flat = np.flatnonzero(req.where.reshape(-1) >= 0)
-            block = np.unravel_index(flat, req.where.shape)[1]
-            self._arrival.append((req, flat[block < req.remote_blocks]))
+            self._arrival.append((req, _prompt_items(req, np.flatnonzero(req.where.reshape(-1) >= 0))))
 
     def fail_request(self, req: RemoteRequest, error: TransportError) -> None:
         """This request alone fails (`failed`, for the engine to end it)."""
@@ -318,8 +321,7 @@ class RemoteReads:
         where[new] = self.store.allocate(len(new))
         if req.arrived is not None:
             req.arrived.append(new)
-        block = np.unravel_index(new, req.where.shape)[1]
-        self._hold(req, new[block < req.remote_blocks], len(new))
+        self._hold(req, _prompt_items(req, new), len(new))
         return where[flat]
 
     # ---- the arena ------------------------------------------------------------------
