@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.distributed.group import ParallelGroup
-from oasiskv.layers.linear import linear
 
 
 class RowParallelLinear(nn.Linear):
@@ -22,7 +21,7 @@ class RowParallelLinear(nn.Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(linear(x, self.weight))
+        return self.group.all_reduce(F.linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Embedding):
