@@ -161,6 +161,26 @@ def test_score_topk_cpu_dispatch(combine):
     assert (ids[1, :, 2:] == -1).all()
 
 
+def packed_rows(L=3, Hkv=2, G=4, D=64, mb=24, dtype=torch.float32, seed=3):
+    """A conversion's layout: L rows of `mb` blocks back to back (no gap), each filled up to
+    its own `num_blocks`; the last row's wider scan would run past the tensor's end."""
+    gen = torch.Generator().manual_seed(seed)
+    kmin, kmax = block_minmax(torch.randn(L * mb * 4, Hkv, D, generator=gen).to(dtype), 4)
+    q = torch.randn(L, G * Hkv, D, generator=gen).to(dtype)
+    off = torch.arange(L) * mb
+    nb = torch.tensor([mb, 9, 17][:L])
+    return q, kmin, kmax, off, nb, dict(num_sink=1, window_start=nb - 2)
+
+
+def test_a_wider_scan_picks_the_same_blocks():
+    """The conversion scans one width for every request (`SparseManager.scan_blocks`): blocks
+    past a row's end score -inf, so a scan wider than the rows' spacing picks what the exact one does."""
+    q, kmin, kmax, off, nb, kw = packed_rows()
+    exact = score_topk(q, kmin, kmax, off, nb, 4, k=8, max_blocks=24, **kw)
+    wide = score_topk(q, kmin, kmax, off, nb, 4, k=8, max_blocks=100, **kw)
+    assert torch.equal(exact[0], wide[0]) and torch.equal(exact[1], wide[1])
+
+
 # ------------------------------------------------------------- Triton under the interpreter
 
 TRITON_CASES = {  # R, Hkv, G, D, num_blocks, dtype, extra kwargs
@@ -225,6 +245,10 @@ def run_interpreter_cases() -> dict:
                                        torch.where(ids >= 0, got, vals), vals, rtol=1e-5, atol=tol * scale)),
                                    "padding": bool(((ids < 0) == (vals == float("-inf"))).all())}
         results[name] = res
+    q, kmin, kmax, off, nb, kw = packed_rows(dtype=torch.float16)
+    exact = score_topk_triton(q, kmin, kmax, off, nb, 4, K, 24, block_tile=TILE, **kw)
+    wide = score_topk_triton(q, kmin, kmax, off, nb, 4, K, 100, block_tile=TILE, **kw)
+    results["wider_scan_same_blocks"] = bool(torch.equal(exact[0], wide[0]) and torch.equal(exact[1], wide[1]))
     return results
 
 
@@ -243,6 +267,10 @@ def test_score_triton_interpreter(interpreter_results, name):
         assert c["rel_err"] < tol and c["topk_agree"] and c["vals_match_scores"], res
     for k in (K, MAX_BLOCKS + 3):
         assert all(res[f"select_k{k}"].values()), res
+
+
+def test_a_wider_scan_picks_the_same_blocks_triton(interpreter_results):
+    assert interpreter_results["wider_scan_same_blocks"]
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 from oasiskv.config import EngineConfig
 from oasiskv.engine.logprobs import record_prompt_logprobs
 from oasiskv.engine.sampler import on_device, sample_requests, to_host
+from oasiskv.engine import runtime_compiles
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.sparse_decode import SparseDecodeMixin
@@ -90,8 +91,13 @@ class ModelRunner(SparseDecodeMixin):
             self._capture_decode_graphs()
             if self.pipeline is not None:
                 self.capture_pipeline_steps()
+        if self.sparse is not None:
+            self.sparse.scan_blocks = self.max_blocks_per_seq
         if self.device.type == "cuda":
             self.warm_up_prefill(cfg.max_num_batched_tokens)
+            if self.sparse is not None:
+                self.sparse.warm_up_conversion(self.dtype)
+            runtime_compiles.watch()  # from here on, a Triton compilation is logged
 
     # ---- set-up -------------------------------------------------------------------------
     def warm_up_prefill(self, chunk: int) -> None:

@@ -75,6 +75,9 @@ class SparseManager:
         # predicted items.
         self.totals = dict.fromkeys(STEP_TOTALS, 0)
         self.num_conversions = 0
+        # The conversion's prediction scans this many blocks of every request (at least its
+        # own): one width for all, so its kernels compile once, at start-up (`warm_up_conversion`).
+        self.scan_blocks = 0
         self.budget = FetchBudget(cfg.fetch_budget, self.item_bytes, self.L)  # the in-line path's
         self.host_cache: HostPrefixCache | None = None  # the prefix cache's host tier, once enabled
 
@@ -243,14 +246,9 @@ class SparseManager:
             items[layer, :nb].copy_(block_kv, non_blocking=True)
             keys = block_kv[reused:, :, 0].transpose(1, 2).reshape((nb - reused) * bs, H, self.D)[:n - reused * bs]
             write_block_minmax(kmin[layer, reused:], kmax[layer, reused:], keys, bs)
-        # The top-K of every layer in one scan, each layer's summaries taken as a sequence.
         win_start, cur = ws.window_start(n, bs), n // bs
         dev = self.device
-        pred, _ = score_topk(last_q, kmin.view(L * max_blocks, H, self.D), kmax.view(L * max_blocks, H, self.D),
-                             torch.arange(L, device=dev) * max_blocks, torch.full((L,), cur + 1, device=dev),
-                             self.G, cfg.top_k_blocks, max_blocks=max_blocks, num_sink=cfg.sink_blocks,
-                             window_start=torch.full((L,), win_start, device=dev))
-        pred = pred.cpu()  # [L, H, K]: the one sync
+        pred = self._conversion_topk(last_q, kmin, kmax, cur, win_start).cpu()  # [L, H, K]: the one sync
         sinks_and_window = list(range(cfg.sink_blocks)) + list(range(win_start, cur + (1 if n % bs else 0)))
         positions = [b if b < cfg.sink_blocks else ws.window_position(b) for b in sinks_and_window]
         ws.blocks[:, :, positions] = torch.tensor(sinks_and_window, dtype=torch.int32)
@@ -271,6 +269,26 @@ class SparseManager:
         self.num_conversions += 1
         if self.pipeline is not None:
             self.pipeline.adopt(ws, n)
+
+    def _conversion_topk(self, last_q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                         cur: int, win_start: int) -> torch.Tensor:
+        """The top-K of every layer in one scan, each layer's summaries [L, max_blocks, H, D]
+        taken as a sequence; the scan is `scan_blocks` wide (blocks past `cur` score -inf)."""
+        L, max_blocks, H, D = kmin.shape
+        dev = self.device
+        pred, _ = score_topk(last_q, kmin.view(L * max_blocks, H, D), kmax.view(L * max_blocks, H, D),
+                             torch.arange(L, device=dev) * max_blocks, torch.full((L,), cur + 1, device=dev),
+                             self.G, self.cfg.top_k_blocks, max_blocks=max(max_blocks, self.scan_blocks),
+                             num_sink=self.cfg.sink_blocks, window_start=torch.full((L,), win_start, device=dev))
+        return pred
+
+    def warm_up_conversion(self, query_dtype: torch.dtype) -> None:
+        """Compile the conversion's prediction kernels now rather than at the first request's
+        conversion (which stops the engine loop while they build)."""
+        L, M, H = self.L, max(self.scan_blocks, 1), self.Hkv
+        q = torch.zeros(L, H * self.G, self.D, dtype=query_dtype, device=self.device)
+        summaries = torch.zeros(L, M, H, self.D, dtype=self.summary_dtype, device=self.device)
+        self._conversion_topk(q, summaries, summaries.clone(), M - 1, max(M - self.cfg.window_blocks, 0))
 
     # ---- the three stages -----------------------------------------------------------
     def predict(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int) -> Prediction:
