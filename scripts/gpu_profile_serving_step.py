@@ -4,6 +4,8 @@ bytes moved against the budget), for dense and for sparse under each transfer bu
 device's kernels over a few steady steps (torch profiler, by total time).
 
 PYTHONPATH=. python3 scripts/gpu_profile_serving_step.py --rows 48 --context 5120 --cases dense off auto
+--arrival N: then a prompt of N tokens arrives while the rows decode (its prefill chunks, the
+decode steps between them, its conversion; with --trace the device's busy time over it).
 Writes serving_step.json and profile_<case>_<rows>rows.txt under $OUT; --trace adds each case's
 kernels per CUDA stream (the foreground's busy time against its span) to the JSON.
 """
@@ -128,6 +130,47 @@ def gap_examples(streams: dict, fg, gaps: list, count: int = 3, before_us: float
     return out
 
 
+def measure_arrival(engine, prompt: list[int], params, sparse: bool, spent: dict, trace_dir: str | None,
+                    name: str, max_steps: int = 1000) -> dict:
+    """A prompt arrives while the rows decode: the engine steps until its first token (sparse:
+    until it has converted, which follows at once), by kind, with their host-side wall time, the
+    conversion's, and with `trace_dir` the device's kernels over the whole arrival (totals)."""
+    from contextlib import nullcontext
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    stats0, convert0 = dict(engine.step_stats), spent["_convert_to_sparse"]
+    rid = engine.add_request(prompt, params)
+    seq = engine.seqs[rid]
+    steps, first_step, first_token_s = 0, 0, None
+    prof = profile(activities=[ProfilerActivity.CUDA]) if trace_dir else nullcontext()
+    t0 = time.perf_counter()
+    with prof:
+        while steps < max_steps and engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if first_token_s is None and seq.output_token_ids:
+                first_token_s = time.perf_counter() - t0
+                first_step = steps
+            if first_token_s is not None and (not sparse or seq.sparse is not None or steps - first_step >= 64):
+                break  # (a request that stays dense 64 steps past its first token is reported unconverted)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    d = {k: engine.step_stats[k] - stats0.get(k, 0) for k in engine.step_stats}
+    out = {"prompt": len(prompt), "first_token_s": round(first_token_s or 0.0, 3), "wall_s": round(wall, 3),
+           "engine_steps": steps, "converted": seq.sparse is not None,
+           "convert_s": round(spent["_convert_to_sparse"] - convert0, 3)}
+    for kind in ("prefill", "decode"):
+        n = d.get(f"{kind}_steps", 0)
+        out[f"{kind}_steps"] = n
+        out[f"{kind}_ms"] = round(1e3 * d.get(f"{kind}_time", 0.0) / max(n, 1), 2)  # host-side wall a step
+    if trace_dir:
+        path = os.path.join(trace_dir, f"trace_arrival_{name}.json")
+        prof.export_chrome_trace(path)
+        out["trace"] = trace_summary(path, 1)  # totals over the arrival: busy against the wall
+        os.remove(path)
+    return out
+
+
 def run_case(a, case: str, out_dir: str | None) -> dict:
     """case: dense, or a --fetch-budget value (auto, off, MB), optionally "/sN": N attention splits."""
     budget, *knobs = case.split("/")
@@ -225,6 +268,10 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
             f.write("\n\n")
             f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
+    if a.arrival and engine.has_unfinished():
+        prompt = torch.randint(0, vocab, (a.arrival,), generator=gen).tolist()
+        row["arrival"] = measure_arrival(engine, prompt, params, sparse, spent,
+                                         out_dir if a.trace else None, f"{case.replace('/', '_')}_{a.rows}rows")
     del tokens
     for s in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort(s.request_id)
@@ -255,6 +302,8 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["dense", "off", "auto"],
                     help=CASES_HELP)
     ap.add_argument("--trace", action="store_true", help="summarize the profiled steps' kernels per CUDA stream")
+    ap.add_argument("--arrival", type=int, default=0,
+                    help="then a prompt of this many tokens arrives: the steps until its first token (and conversion)")
     a = ap.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")  # conversions, graph builds
     out_dir = os.environ.get("OUT")
