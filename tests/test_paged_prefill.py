@@ -37,6 +37,16 @@ def reference(q, kv_cache, table, Hkv, scale):
     return paged_prefill_ref(q, kv_cache, table.chunks, table.page_table, Hkv, scale)
 
 
+def test_page_table_rows_are_padded_to_a_multiple_of_16_pages():
+    """One row stride class whatever the prompts' lengths: the kernel compiles once."""
+    from oasiskv.kernels.paged_prefill import PrefillTable
+    for pages in ([[3]], [[1] * 16], [[2] * 17, [5]]):
+        n = len(pages)
+        t = PrefillTable.build([0] * n, [1] * n, [0] * n, pages, torch.device("cpu"))
+        assert t.page_table.shape[1] % 16 == 0 and t.page_table.shape[1] >= max(map(len, pages))
+        assert [t.page_table[i, :len(p)].tolist() for i, p in enumerate(pages)] == pages
+
+
 # ----------------------------------------------------------------- torch path vs reference
 
 TORCH_CASES = {  # id: (spans, Hkv, G, D, dtype)

@@ -42,7 +42,9 @@ class PrefillTable:
               pages: list[list[int]], device: torch.device) -> "PrefillTable":
         """One row of the page table per chunk (chunk i reads row i)."""
         n = len(starts)
-        width = max((len(p) for p in pages), default=0) or 1
+        # Rows padded to a multiple of 16 pages: the kernel's row stride then specializes alike
+        # whatever the prompts' lengths (one compiled variant, built at start-up, not per new length).
+        width = -(-max((len(p) for p in pages), default=1) // 16) * 16 or 16
         page_table = np.zeros((n, width), dtype=np.int32)
         for i, p in enumerate(pages):
             page_table[i, :len(p)] = p
