@@ -18,7 +18,7 @@ from oasiskv.engine import runtime_compiles
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.engine.sparse_decode import SparseDecodeMixin
-from oasiskv.kernels import cudnn_prefill
+from oasiskv.kernels import cudnn_prefill, paged_prefill
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
@@ -101,13 +101,15 @@ class ModelRunner(SparseDecodeMixin):
 
     # ---- set-up -------------------------------------------------------------------------
     def warm_up_prefill(self, chunk: int) -> None:
-        """cuDNN's plans for `chunk`-token chunks of long prompts (the scheduler's budget), built
-        now rather than on a request's first token (`cudnn_prefill.warm_up`)."""
+        """cuDNN's plans for `chunk`-token chunks of long prompts (the scheduler's budget) and the
+        Triton prefill kernel, built now rather than on a request's first token."""
         t0 = time.perf_counter()
         n = cudnn_prefill.warm_up(self.kv_caches[0], self.model_config.num_heads, self.num_kv_heads, chunk,
                                   self.max_model_len, self.head_dim ** -0.5)
         if n:
             logger.info("cuDNN prefill plans for %d chunk shapes in %.2f s", n, time.perf_counter() - t0)
+        paged_prefill.warm_up(self.kv_caches[0], self.model_config.num_heads, self.num_kv_heads, self.dtype,
+                              self.head_dim ** -0.5)
 
     def _model_source(self) -> ModelSource:
         return resolve_model(self.cfg.model, self.cfg.load_format, self.cfg.rope_scaling)

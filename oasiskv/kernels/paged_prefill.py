@@ -222,6 +222,16 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def warm_up(kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, dtype: torch.dtype, scale: float) -> None:
+    """Build the Triton kernel now, on one block-sized chunk that reads page 0 and writes no
+    page: every prefill step then uses this variant (page-table rows padded to 16 pages)."""
+    if triton is None or not kv_cache.is_cuda:
+        return
+    bs, D = kv_cache.shape[2], kv_cache.shape[3]
+    q = torch.zeros(bs, num_heads, D, dtype=dtype, device=kv_cache.device)
+    paged_prefill_triton(q, kv_cache, PrefillTable.build([0], [bs], [0], [[0]], kv_cache.device), num_kv_heads, scale)
+
+
 def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, table: PrefillTable, num_kv_heads: int,
                          scale: float, rows: int = 128, block_n: int | None = None, num_warps: int = 4,
                          num_stages: int = 3, out: torch.Tensor | None = None) -> torch.Tensor:
