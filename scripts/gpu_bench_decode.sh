@@ -3,6 +3,7 @@
 # and the plot go to $OUT. Runs from the source tree (the GPU machine has no pip).
 #   bash scripts/gpu_bench_decode.sh b16      # batch 16 at 16K and 32K, with the foreground alone (~3 min)
 #   bash scripts/gpu_bench_decode.sh full     # sweep over batch, plot, fetch-cap ablation, capacity (~3 min)
+#   bash scripts/gpu_bench_decode.sh ablation # the fetch-cap ablation with the auto budget at batch 4, 16, 32 (16K)
 #   bash scripts/gpu_bench_decode.sh checks   # kernel, pipeline and engine checks against their references
 #   bash scripts/gpu_bench_decode.sh profile  # the 16K step kernel by kernel (scripts/gpu_profile_sparse.py)
 set -u
@@ -28,6 +29,10 @@ full)
     --batch-size 16 --context-len 32768 --gpu-kv-gb 24 --output-json "$OUT/decode_full.json" \
     --plot "$OUT/decode_sweep.png" 2>&1 | tee "$OUT/decode_full.log"
   ;;
+ablation)
+  bench --fetch-ablation --fetch-ablation-batches 4,16,32 --context-len 16384 --steps 32 --summary-dtypes fp8 \
+    --output-json "$OUT/decode_fetch_ablation.json" 2>&1 | tee "$OUT/decode_fetch_ablation.log"
+  ;;
 checks)
   python3 scripts/gpu_check_kernels.py --quick 2>&1 | grep -v "^PASS" | tee "$OUT/check_kernels.log"
   python3 scripts/gpu_check_sparse.py --no-sweep 2>&1 | tee "$OUT/check_sparse.log"
@@ -39,7 +44,7 @@ profile)
   python3 scripts/gpu_profile_sparse.py --context 16384 --summary-dtype fp8 2>&1 | tee "$OUT/profile_16k.log"
   ;;
 *)
-  echo "usage: bash scripts/gpu_bench_decode.sh [b16|full|checks|profile]" >&2
+  echo "usage: bash scripts/gpu_bench_decode.sh [b16|full|ablation|checks|profile]" >&2
   exit 2
   ;;
 esac

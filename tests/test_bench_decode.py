@@ -187,3 +187,16 @@ def test_bench_decode_at_tensor_parallel_size_2(tmp_path):
     item = 2 * 16 * 32 * 4
     assert 0 < sparse["fetched_bytes_per_step"] <= sparse["cap"] * 2 * 2 * 3 * item  # batch x heads x layers
     assert 0 <= sparse["hit_rate"] <= 1
+
+
+def test_bench_decode_fetch_ablation_at_several_batches(tmp_path, capsys):
+    """--fetch-ablation-batches: the whole ablation at each batch, in one process, each ending
+    with the auto budget's throughput against its fastest fixed ratio."""
+    res = run_bench(tmp_path, "--context-len", "600", "--fetch-ablation", "--fetch-ablation-batches", "1,2")
+    assert res["runs"] == []
+    runs = res["fetch_ablation"]
+    n = len(FETCH_RATIOS) + 1
+    assert [r["batch"] for r in runs] == [1] * n + [2] * n
+    assert [r["fetch_budget"] for r in runs[n - 1::n]] == ["auto", "auto"]
+    out = capsys.readouterr().out
+    assert out.count("auto budget") == 2 and "fetch-cap ablation, batch 2, context 600" in out

@@ -96,6 +96,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "sets + summaries; reports the largest batch each mode admits and its throughput")
     p.add_argument("--fetch-ablation", action="store_true", help="sparse across fetch ratios " +
                    ", ".join(map(str, FETCH_RATIOS)) + ", then the auto transfer budget at the default ratio")
+    p.add_argument("--fetch-ablation-batches", default=None,
+                   help="comma list: the fetch-cap ablation at each batch size, at --context-len (default: "
+                        "--batch-size)")
     p.add_argument("--host-pages", choices=["huge", "base"], default="huge",
                    help="the pinned host pool on 2 MiB transparent huge pages (default) or 4 KiB base pages")
     p.add_argument("--output-json", default=None)
@@ -111,7 +114,7 @@ class DecodeBench:
         from oasiskv.engine.model_runner import ModelRunner
 
         self.args = args
-        batches = _ints(args.batch_sizes) if args.sweep else [args.batch_size]
+        batches = (_ints(args.batch_sizes) if args.sweep else [args.batch_size]) + ablation_batches(args)
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         self.tail = args.warmup + args.steps + 2 * 16 + 1  # room for decoded tokens and capture warm-ups
         cfg = engine_config(args)
@@ -553,13 +556,16 @@ def decode_bench_on_rank(group, args) -> int:
         bench.overlap = engine_overlap
     if args.fetch_ablation:
         result["fetch_ablation"] = []
-        print(f"fetch-cap ablation, batch {args.batch_size}, context {args.context_len}:")
-        print_header()
-        for ratio, budget in [(r, "off") for r in FETCH_RATIOS] + [(None, "auto")]:
-            run = bench.run_sparse(args.batch_size, args.context_len, ratio, fetch_budget=budget)
-            result["fetch_ablation"].append(run)
-            print_row(run)
-            save()
+        for batch in ablation_batches(args):
+            print(f"fetch-cap ablation, batch {batch}, context {args.context_len}:")
+            print_header()
+            runs = []
+            for ratio, budget in [(r, "off") for r in FETCH_RATIOS] + [(None, "auto")]:
+                runs.append(bench.run_sparse(batch, args.context_len, ratio, fetch_budget=budget))
+                result["fetch_ablation"].append(runs[-1])
+                print_row(runs[-1])
+                save()
+            print(auto_against_fixed(runs))
     if args.gpu_kv_gb is not None:
         result["capacity"] = cap = bench.capacity(args.context_len, args.gpu_kv_gb)
         print_capacity(cap)
@@ -573,6 +579,24 @@ def decode_bench_on_rank(group, args) -> int:
     if args.plot and result["runs"] and rank_0:
         plot_sweep(result["runs"], args.plot)
     return 0
+
+
+def ablation_batches(args) -> list[int]:
+    """The batch sizes the fetch-cap ablation runs at (none without --fetch-ablation)."""
+    if not args.fetch_ablation:
+        return []
+    return _ints(args.fetch_ablation_batches) if args.fetch_ablation_batches else [args.batch_size]
+
+
+def auto_against_fixed(runs: list[dict]) -> str:
+    """One line: the auto budget's throughput against the fastest fixed ratio of one ablation."""
+    *fixed, auto = runs
+    fits = [r for r in fixed if r.get("fits")]
+    if not fits or not auto.get("fits"):
+        return "auto against the fixed ratios: not every run fits"
+    best = max(fits, key=lambda r: r["output_tok_s"])
+    return (f"auto budget {auto['output_tok_s']:,.0f} tok/s against the fastest fixed ratio "
+            f"({best['fetch_ratio']}) {best['output_tok_s']:,.0f}: {auto['output_tok_s'] / best['output_tok_s']:.3f}x")
 
 
 def speedups(runs: list[dict]) -> list[dict]:
