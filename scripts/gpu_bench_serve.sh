@@ -81,6 +81,8 @@ run_case() {
 # SCENARIOS, in order (CASES=sparse: the sparse one alone); both with the same flags (--kv-cache-gb $KV_GB, "" = no limit) and the
 # same bench. Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and
 # scenarios.md (scripts/scenario_table.py). One call cannot hold them all: SCENARIOS picks.
+# SPARSE_EXTRA: more flags for the sparse server alone (an A/B in one call: a second run of the
+# script with OUT=$OUT/b CASES=sparse SPARSE_EXTRA="--summary-dtype fp8").
 #   r48x6k: 48 x (1K in, 6K out)   r24x10k: 24 x (1K, 10K)   r16x16k: 16 x (1K, 16K)
 #   l16x16k: 16 x (16K in, 512 out)   l8x32k: 8 x (32K in, 1K out)
 scenario_load() {  # name -> "prompts input output"
@@ -122,7 +124,7 @@ if [ "${1:-}" = scenarios ]; then
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   case " ${CASES:-dense sparse} " in *" dense "*) run_scenarios dense ;; esac
   case " ${CASES:-dense sparse} " in *" sparse "*)
-    run_scenarios sparse --sparse --host-kv-gb "${HOST_KV_GB:-92}" ;; esac
+    run_scenarios sparse --sparse --host-kv-gb "${HOST_KV_GB:-92}" ${SPARSE_EXTRA:-} ;; esac
   python3 scripts/scenario_table.py "$OUT" --kv-cache-gb "${KV_GB-24}" --scenarios ${SCENARIOS:-r24x10k}
   # The device tool returns at most 8 files: everything goes back as one archive, the table beside it.
   tar czf /tmp/scenario_files.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/scenario_files.tgz "$OUT/" \
