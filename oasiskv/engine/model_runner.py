@@ -188,7 +188,7 @@ class ModelRunner(SparseDecodeMixin):
         pool = torch.zeros(len(pages) * self.num_kv_heads, 2, self.block_size, self.head_dim,
                            dtype=self.dtype, device=self.device)
         positions = np.arange(n, dtype=np.int64)
-        slots, offsets = self._write_locations([pages], positions, np.zeros(n, dtype=np.int64))
+        slots, offsets = self._write_locations(np.array(pages)[positions // self.block_size], positions)
         chunks = [PrefillChunk(0, n, 0, pages)]
         meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, prefill_chunks=chunks,
                                  prefill_table=prefill_table(chunks, self.device))
@@ -203,11 +203,10 @@ class ModelRunner(SparseDecodeMixin):
         return total * self.cfg.gpu_memory_utilization - peak - used_by_others - 2**30
 
     # ---- batch preparation ------------------------------------------------------------
-    def _write_locations(self, seqs_pages: list[list[int]], positions: np.ndarray, owner: np.ndarray):
-        """For each token: the slot of every KV head its K/V goes to, and the offset in the block."""
-        block = positions // self.block_size
-        page = np.array([seqs_pages[o][b] for o, b in zip(owner, block)], dtype=np.int64)
-        slots = page[:, None] * self.num_kv_heads + np.arange(self.num_kv_heads)[None, :]
+    def _write_locations(self, pages: np.ndarray, positions: np.ndarray):
+        """For each token, given the page holding it: the slot of every KV head its K/V goes to,
+        and the offset in the block."""
+        slots = pages[:, None] * self.num_kv_heads + np.arange(self.num_kv_heads)[None, :]
         return (self._h2d(slots.astype(np.int32)), self._h2d((positions % self.block_size).astype(np.int32)))
 
     def _h2d(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -220,13 +219,13 @@ class ModelRunner(SparseDecodeMixin):
         """-> input ids, positions, attention metadata, the rows whose logits sample a token (a
         finished prompt's last), and (seq, first row, first position, rows) of each chunk whose
         request asks for prompt logprobs (every row of it needs logits)."""
-        ids, pos, owner, chunks, logits_rows, prompt_rows = [], [], [], [], [], []
+        ids, pos, pages, chunks, logits_rows, prompt_rows = [], [], [], [], [], []
         start = 0
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        for seq, n in zip(batch.seqs, batch.num_tokens):
             c0 = seq.num_cached_tokens
-            ids.extend(seq.token_ids[c0:c0 + n])
-            pos.extend(range(c0, c0 + n))
-            owner.extend([i] * n)
+            ids.append(np.array(seq.token_slice(c0, c0 + n), dtype=np.int64))
+            pos.append(np.arange(c0, c0 + n, dtype=np.int64))
+            pages.append(seq.page_array()[pos[-1] // self.block_size])
             used_pages = (c0 + n + self.block_size - 1) // self.block_size
             chunks.append(PrefillChunk(start, n, c0, seq.pages[:used_pages]))
             if seq.params.prompt_logprobs is not None and c0 < len(seq.prompt_token_ids) - 1:
@@ -234,8 +233,8 @@ class ModelRunner(SparseDecodeMixin):
             start += n
             if c0 + n == seq.num_tokens:
                 logits_rows.append(start - 1)
-        positions = np.array(pos, dtype=np.int64)
-        slots, offsets = self._write_locations([s.pages for s in batch.seqs], positions, np.array(owner))
+        positions = np.concatenate(pos)
+        slots, offsets = self._write_locations(np.concatenate(pages), positions)
         meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, prefill_chunks=chunks,
                                  prefill_table=prefill_table(chunks, self.device))
         if self.sparse is not None:
@@ -245,8 +244,7 @@ class ModelRunner(SparseDecodeMixin):
                     record[c.start + n - 1] = self._query_buffer(seq)
             if record:
                 meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.cfg.drafter, record_rows=record)
-        return (torch.tensor(ids, device=self.device), torch.from_numpy(positions).to(self.device),
-                meta, logits_rows, prompt_rows)
+        return self._h2d(np.concatenate(ids)), self._h2d(positions), meta, logits_rows, prompt_rows
 
     def prepare_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """ids: the input tokens already on the device (async scheduling: the last step's
@@ -255,7 +253,8 @@ class ModelRunner(SparseDecodeMixin):
             return self.prepare_mixed_decode(seqs)
         B, Hkv = len(seqs), self.num_kv_heads
         positions = np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64)
-        slots, offsets = self._write_locations([s.pages for s in seqs], positions, np.arange(B))
+        pages = np.array([s.pages[p // self.block_size] for s, p in zip(seqs, positions)], dtype=np.int64)
+        slots, offsets = self._write_locations(pages, positions)
         arrays = [s.page_array() for s in seqs]
         nblk = max(len(a) for a in arrays)
         page_table = np.zeros((B, nblk), dtype=np.int64)
