@@ -3,7 +3,8 @@
 PYTHONPATH=. python3 scripts/gpu_check_sparse_engine.py [--model smollm2-135m] [--prompt-len 2048]
 Dummy weights (no real checkpoint travels to the GPU machine): compares every step's logits
 (relative error) and the greedy tokens, then runs a capped budget three ways (pipeline with
-async scheduling, pipeline synchronous, in-line path): their tokens must agree.
+async scheduling, pipeline synchronous, in-line path): their tokens must agree; then the
+prompts in chunks, whose host extents must hold their dense pages' K/V at the conversion.
 """
 from __future__ import annotations
 
@@ -30,6 +31,36 @@ def record_logits(llm):
         return out
     model.compute_logits = recording
     return seen
+
+
+def check_prefill_copies(model: str, prompts, params, common) -> list:
+    """The prompts prefilled in chunks of 512: each chunk's completed blocks go to the host on a
+    stream of their own while the next chunk computes (oasiskv/sparse/prefill_copies.py). At
+    each conversion, (blocks copied while prefilling, blocks, host extent == the dense pages)."""
+    from oasiskv.sparse.manager import SparseManager
+
+    checked, convert = [], SparseManager.convert
+
+    def checking_convert(self, seq, last_q, pages):
+        nb = -(-seq.num_cached_tokens // self.block_size)
+        before = seq.prefill_blocks_on_host
+        slots = (torch.tensor(seq.pages[:nb], device=self.device)[:, None] * self.Hkv
+                 + torch.arange(self.Hkv, device=self.device)).flatten()
+        want = self.kv[:, slots].reshape(self.L, nb, self.Hkv, *self.kv.shape[2:]).cpu()
+        convert(self, seq, last_q, pages)
+        got = self.host.extent_items(seq.host_extent)[:, :nb]
+        checked.append((before, nb, torch.equal(got, want)))
+
+    SparseManager.convert = checking_convert
+    try:
+        llm = LLM(model, sparse=True, top_k_blocks=32, sparse_threshold=1024, host_kv_gb=4.0,
+                  max_num_batched_tokens=512, **common)
+        llm.generate(prompts, params)
+        del llm
+        torch.cuda.empty_cache()
+    finally:
+        SparseManager.convert = convert
+    return checked
 
 
 def main():
@@ -97,6 +128,8 @@ def main():
     pipeline_same = [x.token_ids == y.token_ids for x, y in zip(capped["on", "off"], capped["off", "off"])]
     async_same = [x.token_ids == y.token_ids and x.stats["draft_acceptance"] == y.stats["draft_acceptance"]
                   for x, y in zip(capped["on", "on"], capped["on", "off"])]
+    prefill_copies = check_prefill_copies(a.model, prompts, params, common)
+    copies_ok = bool(prefill_copies) and all(ok and before > 0 for before, _, ok in prefill_copies)
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
            "summary_dtype": a.summary_dtype, "fused_merge": a.fused_merge,
            "attention_splits": a.attention_splits, "stages_fork": a.stages_fork,
@@ -107,7 +140,8 @@ def main():
            "full_budget_stats": out[0].stats, "capped_stats": capped["on", "off"][0].stats,
            "capped_in_line_stats": capped["off", "off"][0].stats,
            "capped_pipeline_tokens_equal_in_line": pipeline_same,
-           "capped_async_equal_sync": async_same, "async_overlapped_steps": overlapped}
+           "capped_async_equal_sync": async_same, "async_overlapped_steps": overlapped,
+           "prefill_copies_blocks_before_conversion_blocks_host_equal": prefill_copies}
     print(json.dumps(res, indent=1))
     ok = max(rel) < 3e-2 and all(same)
     print("PASS" if ok else "FAIL", f"full-budget sparse vs dense: max relative logit error {max(rel):.2e}, "
@@ -115,6 +149,8 @@ def main():
     print("PASS" if all(pipeline_same) else "FAIL", f"capped budget, pipeline vs in-line tokens equal {pipeline_same}")
     print("PASS" if all(async_same) and overlapped else "FAIL", f"capped budget, pipeline with async scheduling vs "
           f"without: tokens and draft acceptance equal {async_same}, {overlapped} overlapped steps")
+    print("PASS" if copies_ok else "FAIL", f"prompts in chunks of 512: (blocks on the host before the conversion, "
+          f"blocks, host extent equal to the dense pages) {prefill_copies}")
     if os.environ.get("OUT"):
         fp8 = "_fp8_summaries" if a.summary_dtype == "fp8" else ""
         name = f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}_{a.prompt_len}{fp8}.json"

@@ -284,6 +284,8 @@ class ModelRunner(SparseDecodeMixin):
                 self.sparse.load_host_hits(batch.seqs)  # host-tier hits into their pages first
             ids, positions, meta, rows, prompt_rows = self.prepare_prefill(batch)
             hidden = self.model(ids, positions, self.kv_caches, meta)
+            if self.sparse is not None:
+                self.sparse.after_prefill_step(batch.seqs, batch.num_tokens)
             for seq, first, pos, n in prompt_rows:
                 record_prompt_logprobs(seq, hidden[first:first + n], pos, self.model.compute_logits)
             hidden = hidden[rows]

@@ -36,6 +36,10 @@ class Sequence:
     generator: object = None  # torch.Generator for seeded sampling
     sparse: object = None  # WorkingSet once the request decodes sparse
     host_extent: object = None  # its reservation in the host KV pool
+    # A prompt that converts when its prefill ends: its leading blocks already copied to the host
+    # extent, and the prompt position the copies reached (oasiskv.sparse.prefill_copies).
+    prefill_blocks_on_host: int = 0
+    prefill_copied_to: int = 0
     convert_early: bool = False  # the scheduler converts it to sparse now, instead of a preemption
     hand_over: bool = False  # a prefill instance converts it whatever its length (oasiskv.disagg.prefill_engine)
     # What sampling records and needs (oasiskv.engine.logprobs, oasiskv.engine.penalties):

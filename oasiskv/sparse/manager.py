@@ -22,6 +22,7 @@ from oasiskv.sparse.fetch_budget import FetchBudget, share_budget
 from oasiskv.sparse.drafters import TokenHistory, next_draft
 from oasiskv.sparse.host_cache import HostHit, HostPrefixCache
 from oasiskv.sparse.host_pool import HostKVPool
+from oasiskv.sparse.prefill_copies import PrefillHostCopies
 from oasiskv.sparse.summaries import summary_dtype, update_block_minmax, write_block_minmax
 from oasiskv.sparse.working_set import WorkingSet
 
@@ -60,6 +61,7 @@ class SparseManager:
         self.host = HostKVPool(cfg.host_kv_gb, block_size, self.D, self.dtype,
                                pin=kv.is_cuda)
         self.item_bytes = 2 * block_size * self.D * self.dtype.itemsize
+        self.prefill_copies = PrefillHostCopies(kv, self.host, block_size, self.Hkv)
         self.cap = cfg.fetch_cap
         self.step = 0
         # Read-only callbacks (layer, q, hooks) after each layer's sparse step work; evaluations
@@ -195,6 +197,10 @@ class SparseManager:
         return seq.sparse is None and getattr(seq, "host_extent", None) is not None \
             and not seq.in_prefill and seq.num_tokens >= self.pressure_floor
 
+    def after_prefill_step(self, seqs, num_tokens) -> None:
+        """The completed blocks of prompts that convert when done go to the host now."""
+        self.prefill_copies.after_prefill_step(seqs, num_tokens, lambda s: self.should_convert(s, s.num_tokens))
+
     def pages_freed(self, seq) -> int:
         """GPU pages a dense request gives back by converting (all but its working set's)."""
         return max(0, len(seq.pages) - self.cfg.working_set_blocks)
@@ -233,6 +239,7 @@ class SparseManager:
                         last_selected=torch.full((L, H, cfg.top_k_blocks), -1, dtype=torch.int64),
                         kmin=kmin, kmax=kmax, exact_blocks=n // bs)
         items = self.host.extent_items(ext)  # [L, max_blocks, H, 2, bs, D]
+        on_host = min(self.prefill_copies.taken(seq), nb)  # copied while the prompt prefilled
         # The leading blocks' summaries from a host-tier hit, as they were computed (the same K).
         reused = 0
         if seq.host_summaries is not None:
@@ -243,7 +250,7 @@ class SparseManager:
         # Every layer's blocks go to the host and into summaries without a sync between layers.
         for layer in range(L):
             block_kv = self.kv[layer][dense_slots]  # [nb, H, 2, bs, D]
-            items[layer, :nb].copy_(block_kv, non_blocking=True)
+            items[layer, on_host:nb].copy_(block_kv[on_host:], non_blocking=True)
             keys = block_kv[reused:, :, 0].transpose(1, 2).reshape((nb - reused) * bs, H, self.D)[:n - reused * bs]
             write_block_minmax(kmin[layer, reused:], kmax[layer, reused:], keys, bs)
         win_start, cur = ws.window_start(n, bs), n // bs
