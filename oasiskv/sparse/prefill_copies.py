@@ -51,10 +51,13 @@ class PrefillHostCopies:
             self._copy(todo)
 
     def _copy(self, todo) -> None:
-        heads = torch.arange(self.H, device=self.kv.device)
+        dev = self.kv.device
+        heads = torch.arange(self.H, device=dev)
         for seq, first, last in todo:
             items = self.host.extent_items(seq.host_extent)  # [L, max_blocks, H, 2, bs, D]
-            pages = torch.tensor(seq.pages[first:last], device=self.kv.device)
+            pages = torch.tensor(seq.pages[first:last])
+            # Through pinned memory: a pageable copy would wait for the chunk's forward.
+            pages = pages.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pages
             slots = (pages[:, None] * self.H + heads[None, :]).flatten()
             for layer in range(self.kv.shape[0]):
                 block_kv = self.kv[layer][slots].view(last - first, self.H, *self.kv.shape[2:])
