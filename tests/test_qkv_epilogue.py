@@ -80,8 +80,16 @@ def fp8_fold_as_interpreted(f_ref: SummaryFold, keys: torch.Tensor) -> None:
     flat = keys.float().contiguous().view(-1)
     out = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
     cast[(1,)](flat, out, flat.numel(), BLOCK=triton.next_power_of_2(flat.numel()))
+    # Then one code over where the cast went the other way: down into the min, up into the max.
+    x, code = flat.clamp(-448.0, 448.0), out.view(torch.uint8).to(torch.int16)
+    toward = {}
+    for d in (-1, 1):
+        need = out.float() < x if d > 0 else out.float() > x
+        moved = torch.where(need, code + torch.where(code >= 128, -d, d), code).to(torch.uint8)
+        toward[d] = moved.view(torch.float8_e4m3fn).float().view(keys.shape)
     lo, hi = f_ref.kmin.float(), f_ref.kmax.float()
-    update_block_minmax(lo, hi, f_ref.block_ids, out.float().view(keys.shape), f_ref.first_in_block)
+    update_block_minmax(lo, hi.clone(), f_ref.block_ids, toward[-1], f_ref.first_in_block)
+    update_block_minmax(lo.clone(), hi, f_ref.block_ids, toward[1], f_ref.first_in_block)
     f_ref.kmin.copy_(lo.to(f_ref.kmin.dtype))
     f_ref.kmax.copy_(hi.to(f_ref.kmax.dtype))
 

@@ -77,13 +77,17 @@ def test_update_with_several_tokens_of_one_block():
 
 def test_fp8_summaries_are_the_rounded_exact_ones():
     """fp8 storage: built at once or token by token (one call per token, a padding row beside),
-    the summaries equal the exact float32 min/max rounded once, keys past ±448 saturating."""
+    the summaries equal the exact float32 min rounded down and max rounded up once (the box
+    still holds every key), keys past ±448 saturating."""
     gen = torch.Generator().manual_seed(2)
     bs, H, D, n = 4, 2, 16, 23
     keys = torch.randn(n, H, D, generator=gen) * 200  # a few past e4m3's ±448
     lo, hi = block_minmax(keys, bs)
-    want_min, want_max = to_summary(lo, FP8), to_summary(hi, FP8)
+    want_min, want_max = to_summary(lo, FP8, -1), to_summary(hi, FP8, +1)
     assert want_max.float().max() == 448 and not want_min.float().isnan().any()
+    low, high = lo.abs() < 448, hi.abs() < 448  # past ±448 they saturate
+    assert (want_min.float()[low] <= lo[low]).all() and (want_max.float()[high] >= hi[high]).all()
+    assert (want_max.float() > to_summary(hi, FP8).float()).any()  # not the nearest rounding
     built = torch.empty(6, H, D, dtype=FP8), torch.empty(6, H, D, dtype=FP8)
     write_block_minmax(*built, keys, bs)
     kmin = torch.full((6, H, D), 3.0).to(FP8)  # stale values, reset by each block's first token

@@ -177,22 +177,38 @@ if triton is not None:
                                       tl.load(first_ptr + t // Q) != 0, FP8)
 
     @triton.jit
+    def _fp8_toward(x, TOWARD: tl.constexpr):
+        """x (float32, within +-448) as the e4m3 value next to it upward (TOWARD 1) or downward
+        (-1), in float32: the cast to nearest, then one code over where it went the other way
+        (`summaries.to_summary`)."""
+        y = x.to(tl.float8e4nv)
+        yf = y.to(tl.float32)
+        need = (yf < x) if TOWARD > 0 else (yf > x)
+        code = y.to(tl.uint8, bitcast=True).to(tl.int32)
+        step = tl.where(code >= 128, -TOWARD, TOWARD)  # a negative code grows with the magnitude
+        code = tl.where(need, code + step, code)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _fold(kmin_ptr, kmax_ptr, at, y1, y2, i, HALF: tl.constexpr, first, FP8: tl.constexpr):
         """As `summaries.update_block_minmax` for one token: the key into its block's min / max
-        (a new block starts from the key); fp8 summaries saturate at +-448 (e4m3 has no inf)
-        and compare in float32."""
+        (a new block starts from the key); fp8 summaries saturate at +-448 (e4m3 has no inf),
+        take the key rounded down into the min and up into the max, and compare in float32."""
         for part in tl.static_range(2):
             y = y1 if part == 0 else y2
             p = at + part * HALF + i
             lo = tl.load(kmin_ptr + p)
             hi = tl.load(kmax_ptr + p)
             if FP8:
-                k = tl.minimum(tl.maximum(y.to(tl.float32), -448.0), 448.0).to(lo.dtype).to(tl.float32)
+                x = tl.minimum(tl.maximum(y.to(tl.float32), -448.0), 448.0)
+                k_lo = _fp8_toward(x, -1)
+                k_hi = _fp8_toward(x, 1)
                 lo = lo.to(tl.float32)
                 hi = hi.to(tl.float32)
             else:
-                k = y.to(lo.dtype)
-            lo = tl.where(first, k, tl.minimum(lo, k))
-            hi = tl.where(first, k, tl.maximum(hi, k))
+                k_lo = y.to(lo.dtype)
+                k_hi = k_lo
+            lo = tl.where(first, k_lo, tl.minimum(lo, k_lo))
+            hi = tl.where(first, k_hi, tl.maximum(hi, k_hi))
             tl.store(kmin_ptr + p, lo.to(kmin_ptr.dtype.element_ty))
             tl.store(kmax_ptr + p, hi.to(kmax_ptr.dtype.element_ty))
