@@ -29,20 +29,20 @@ from oasiskv.bench.serve import add_bench_serve_args, run_bench_serve
 p = argparse.ArgumentParser(); add_bench_serve_args(p)
 sys.exit(run_bench_serve(p.parse_args(sys.argv[1:])))'
 
-health() {  # wait up to 4 minutes for /health; give up as soon as the server process is gone
-  local pid=$1
+health() {  # PID [PORT]: wait up to 4 minutes for /health; give up as soon as the server process is gone
+  local pid=$1 port=${2:-$PORT}
   for _ in $(seq 240); do
     kill -0 "$pid" 2>/dev/null || return 1
     python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
-      "http://127.0.0.1:$PORT/health" 2>/dev/null && return 0
+      "http://127.0.0.1:$port/health" 2>/dev/null && return 0
     sleep 1
   done
   return 1
 }
 
-scrape() {  # /metrics -> file
+scrape() {  # FILE [PORT]: /metrics -> file
   python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
-    "http://127.0.0.1:$PORT/metrics" > "$1" 2>/dev/null
+    "http://127.0.0.1:${2:-$PORT}/metrics" > "$1" 2>/dev/null
 }
 
 stop() {  # SIGTERM, then SIGKILL after 30 s
@@ -76,10 +76,11 @@ run_case() {
   tail -5 "$OUT/server_$name.log"
 }
 
-# `bash scripts/gpu_bench_serve.sh scenarios`: the scenario table (docs/benchmarks.md). One dense
-# server, then one sparse server, each started once and loaded with every scenario named in
-# SCENARIOS, in order (CASES=sparse: the sparse one alone); both with the same flags (--kv-cache-gb $KV_GB, "" = no limit) and the
-# same bench. Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and
+# `bash scripts/gpu_bench_serve.sh scenarios`: the scenario table (docs/benchmarks.md). A dense
+# server and a sparse server, each started once and loaded with every scenario named in
+# SCENARIOS, in order, the dense one first (CASES=sparse: the sparse one alone); both with the
+# same flags (--kv-cache-gb $KV_GB, "" = no limit) and the same bench. With the limit both start
+# together (ports PORT and PORT+1) and only the benches take turns; without it one at a time. Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and
 # scenarios.md (scripts/scenario_table.py). One call cannot hold them all: SCENARIOS picks.
 # SPARSE_EXTRA: more flags for the sparse server alone (an A/B in one call: a second run of the
 # script with OUT=$OUT/b CASES=sparse SPARSE_EXTRA="--summary-dtype fp8").
@@ -92,39 +93,64 @@ scenario_load() {  # name -> "prompts input output"
   esac
 }
 
-run_scenarios() {  # CASE SERVER-FLAGS...: one server, every scenario's bench against it
-  local case=$1; shift
+start_scenario_server() {  # CASE PORT SERVER-FLAGS...: start it in the background; its pid -> $server_pid
+  local case=$1 port=$2; shift 2
   local limit=()
   [ -n "${KV_GB-24}" ] && limit=(--kv-cache-gb "${KV_GB-24}")
-  echo "=== $case: serve ${limit[*]} --max-num-seqs 64 $*"
-  local t0=$SECONDS
-  python3 -c "$SERVE_PY" --model "$MODEL" --load-format dummy --port "$PORT" "${limit[@]}" --max-num-seqs 64 \
+  echo "=== $case: serve --port $port ${limit[*]} --max-num-seqs 64 $*"
+  python3 -c "$SERVE_PY" --model "$MODEL" --load-format dummy --port "$port" "${limit[@]}" --max-num-seqs 64 \
     ${SERVE_EXTRA:-} "$@" > "$OUT/server_$case.log" 2>&1 &
-  local pid=$!
-  if ! health "$pid"; then
-    echo "server failed to start; log tail:"; tail -30 "$OUT/server_$case.log"; stop "$pid"; return 1
+  server_pid=$!
+}
+
+wait_scenario_server() {  # CASE PID PORT T0
+  if ! health "$2" "$3"; then
+    echo "$1 server failed to start; log tail:"; tail -30 "$OUT/server_$1.log"; stop "$2"; return 1
   fi
-  echo "ready after $((SECONDS - t0)) s"
+  echo "$1 ready after $((SECONDS - $4)) s"
+}
+
+bench_scenarios() {  # CASE PID PORT T0: every scenario's bench against the server, then stop it
+  local case=$1 pid=$2 port=$3 t0=$4
   for name in ${SCENARIOS:-r24x10k}; do
     read -r n in out < <(scenario_load "$name") || continue
     echo "--- $name ($case): $n x ($in in, $out out)"
-    timeout "$BENCH_S" python3 -c "$BENCH_PY" --port "$PORT" --num-prompts "$n" --random-input-len "$in" \
+    timeout "$BENCH_S" python3 -c "$BENCH_PY" --port "$port" --num-prompts "$n" --random-input-len "$in" \
       --random-output-len "$out" --request-rate inf --ignore-eos \
       --result-dir "$OUT" --result-filename "bench_serve_${name}_$case.json" > "$OUT/bench_${name}_$case.log" 2>&1
     grep -E "Output token throughput|Median TPOT|Median ITL|Stall /|per request \(GB\)|Preemptions|Conversions" \
       "$OUT/bench_${name}_$case.log"
   done
-  scrape "$OUT/metrics_$case.txt"
+  scrape "$OUT/metrics_$case.txt" "$port"
   stop "$pid"
-  echo "server stopped after $((SECONDS - t0)) s"
+  echo "$case server stopped after $((SECONDS - t0)) s"
 }
 
 if [ "${1:-}" = scenarios ]; then
   BENCH_S=${BENCH_S:-400}
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-  case " ${CASES:-dense sparse} " in *" dense "*) run_scenarios dense ;; esac
-  case " ${CASES:-dense sparse} " in *" sparse "*)
-    run_scenarios sparse --sparse --host-kv-gb "${HOST_KV_GB:-92}" ${SPARSE_EXTRA:-} ;; esac
+  cases=" ${CASES:-dense sparse} "
+  sparse_flags=(--sparse --host-kv-gb "${HOST_KV_GB:-92}" ${SPARSE_EXTRA:-})
+  t0=$SECONDS
+  if [ -n "${KV_GB-24}" ] && [ "$cases" = " dense sparse " ]; then
+    # Both fit the GPU at once with the KV limit: start them together (the loads, captures and
+    # warm-ups overlap), then bench one at a time; an idle server does no GPU work.
+    start_scenario_server dense "$PORT"; dense_pid=$server_pid
+    start_scenario_server sparse "$((PORT + 1))" "${sparse_flags[@]}"; sparse_pid=$server_pid
+    wait_scenario_server dense "$dense_pid" "$PORT" "$t0" \
+      && wait_scenario_server sparse "$sparse_pid" "$((PORT + 1))" "$t0" \
+      && bench_scenarios dense "$dense_pid" "$PORT" "$t0" \
+      && bench_scenarios sparse "$sparse_pid" "$((PORT + 1))" "$t0"
+    stop "$dense_pid"; stop "$sparse_pid"
+  else
+    case $cases in *" dense "*)
+      start_scenario_server dense "$PORT"
+      wait_scenario_server dense "$server_pid" "$PORT" "$t0" && bench_scenarios dense "$server_pid" "$PORT" "$t0" ;; esac
+    case $cases in *" sparse "*)
+      t0=$SECONDS
+      start_scenario_server sparse "$PORT" "${sparse_flags[@]}"
+      wait_scenario_server sparse "$server_pid" "$PORT" "$t0" && bench_scenarios sparse "$server_pid" "$PORT" "$t0" ;; esac
+  fi
   python3 scripts/scenario_table.py "$OUT" --kv-cache-gb "${KV_GB-24}" --scenarios ${SCENARIOS:-r24x10k}
   # The device tool returns at most 8 files: everything goes back as one archive, the table beside it.
   tar czf /tmp/scenario_files.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/scenario_files.tgz "$OUT/" \
