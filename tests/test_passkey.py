@@ -54,6 +54,9 @@ def test_fresh_set_is_fixed_and_scored_on_the_exact_number():
     assert len({case_name(c) for c in cases}) == len(cases)  # what --cases picks them by
     for c in cases[:3]:
         assert f"The pass key is {c.key}." in tok.decode(c.token_ids)
+    other = make_fresh_cases(tok, 2000, fillers=("textwrap",), depths=(0.5,), seeds=(7, 8))
+    assert [(c.filler, c.depth, c.seed) for c in other] == [("textwrap", 0.5, 7), ("textwrap", 0.5, 8)]
+    assert other[0].key != other[1].key and all(len(c.token_ids) == 2000 for c in other)
 
     key = "12345"
     assert is_right(" 12345. Remember", key, exact=True)

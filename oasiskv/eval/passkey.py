@@ -85,15 +85,16 @@ def make_cases(tokenizer, context_tokens: int, depths: list[float], seeds: list[
     return [make_case(tokenizer, context_tokens, d, s, keys=keys) for d in depths for s in seeds]
 
 
-def make_fresh_cases(tokenizer, context_tokens: int, keys: int = 1) -> list[PasskeyCase]:
-    """30 prompts: each filler text x depth x seed; the key depends on the filler and the seed."""
+def make_fresh_cases(tokenizer, context_tokens: int, keys: int = 1, fillers=FRESH_FILLERS,
+                     depths=FRESH_DEPTHS, seeds=FRESH_SEEDS) -> list[PasskeyCase]:
+    """Each filler text (a standard library module's source) x depth x seed; the key depends on
+    the filler and the seed. The defaults are the 30 prompts of the fresh set."""
     from oasiskv.eval.texts import module_source
 
     cases = []
-    for name in FRESH_FILLERS:
+    for name in fillers:
         ids = tokenizer.encode(module_source(name), add_special_tokens=False)
-        cases += [make_case(tokenizer, context_tokens, d, s, name, ids, keys)
-                  for d in FRESH_DEPTHS for s in FRESH_SEEDS]
+        cases += [make_case(tokenizer, context_tokens, d, s, name, ids, keys) for d in depths for s in seeds]
     return cases
 
 
@@ -149,13 +150,18 @@ def _flag_value(text: str):
 
 def add_passkey_args(p) -> None:
     p.add_argument("--set", default="suite", choices=["suite", "fresh"],
-                   help="suite: repeated filler, --depths x --seeds, substring scoring; fresh: 30 prompts "
-                        "on three standard library modules' source, exact-number scoring")
+                   help="suite: repeated filler, --depths x --seeds, substring scoring; fresh: --fillers x "
+                        "--depths x --seeds on standard library modules' source, exact-number scoring "
+                        "(by default 30 prompts: 3 modules x 5 depths x 2 seeds)")
     p.add_argument("--context-len", type=int, default=4000, help="prompt tokens")
     p.add_argument("--keys", type=int, default=1, help="named keys per prompt (multi-key needles, "
                    "exact-number scoring when > 1)")
-    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9], help="suite only")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="suite only")
+    p.add_argument("--depths", type=float, nargs="+", default=None,
+                   help=f"where the key goes, 0..1 (suite: 0.1 0.3 0.5 0.7 0.9; fresh: {' '.join(map(str, FRESH_DEPTHS))})")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help=f"key seeds (suite: 0 1 2 3; fresh: {' '.join(map(str, FRESH_SEEDS))})")
+    p.add_argument("--fillers", nargs="+", default=list(FRESH_FILLERS),
+                   help="fresh only: standard library modules whose source is the filler")
     p.add_argument("--drafters", nargs="+", default=["self"],
                    help="sparse runs to compare with dense: DRAFTER[:FIELD=VALUE,...], the fields "
                         "overriding the engine flags (e.g. self:fetch_ratio=0.02)")
@@ -190,8 +196,12 @@ def run_passkey(args) -> int:
         cfg = run_config(base, spec)
         llm = LLM.from_config(cfg)
         if cases is None:
-            cases = (make_fresh_cases(llm.tokenizer, args.context_len, args.keys) if args.set == "fresh"
-                     else make_cases(llm.tokenizer, args.context_len, args.depths, args.seeds, args.keys))
+            if args.set == "fresh":
+                cases = make_fresh_cases(llm.tokenizer, args.context_len, args.keys, args.fillers,
+                                         args.depths or FRESH_DEPTHS, args.seeds or FRESH_SEEDS)
+            else:
+                cases = make_cases(llm.tokenizer, args.context_len, args.depths or [0.1, 0.3, 0.5, 0.7, 0.9],
+                                   args.seeds or [0, 1, 2, 3], args.keys)
             if args.cases:
                 cases = [c for c in cases if case_name(c) in set(args.cases)]
                 if not cases:
