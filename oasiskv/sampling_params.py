@@ -13,6 +13,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # keep tokens at least min_p x the likeliest one's probability (0 = off)
     max_tokens: int = 16
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
     seed: int | None = None
@@ -43,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

@@ -48,6 +48,22 @@ def test_top_p_and_top_k_restrict_the_support():
         assert tok[3] == logits[3].argmax()
 
 
+def test_min_p_keeps_tokens_near_the_likeliest():
+    """min_p = 0.5 keeps the tokens with at least half the top token's probability (after the
+    temperature), and samples among all of them; min_p = 1 is greedy."""
+    logits = torch.tensor([[2.0, 2.0 - 0.5, 2.0 - 0.6, 2.0 - 0.8, -3.0, -5.0]])
+    seen = set()
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        seen.add(int(sample(logits, [SamplingParams(min_p=0.5)], [g])[0]))
+    assert seen == {0, 1, 2}  # exp(-0.8) = 0.45 < 0.5 <= exp(-0.6)
+    half_temp = {int(sample(logits, [SamplingParams(min_p=0.5, temperature=0.5)], [None])[0]) for _ in range(200)}
+    assert half_temp == {0}  # at temperature 0.5 the second is exp(-0.5 / 0.5) = 0.37 of the first
+    assert {int(sample(logits, [SamplingParams(min_p=1.0)], [None])[0]) for _ in range(50)} == {0}
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+
+
 def test_max_tokens_and_stop_token(llm):
     free = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert len(free.token_ids) == 12 and free.finish_reason == "length"

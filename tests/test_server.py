@@ -127,6 +127,28 @@ def test_stop_string_streamed_equals_whole(base):
     assert streamed == whole["choices"][0]["text"] and stop not in streamed
 
 
+def test_vllm_text_fields(base):
+    """include_stop_str_in_output keeps the stop string, skip_special_tokens false writes special
+    tokens out, min_p 1 is greedy: whole and streamed alike."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    text = call(base, "/v1/completions", body)[1]["choices"][0]["text"]
+    stop = text[4:7]
+    kept = {**body, "stop": [stop], "include_stop_str_in_output": True}
+    whole = call(base, "/v1/completions", kept)[1]["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["text"] == text[:text.index(stop) + len(stop)]
+    assert "".join(e["choices"][0]["text"] for e in stream_events(base, "/v1/completions", kept)[:-1]) == whole["text"]
+
+    forced = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {"2": 100}}
+    assert call(base, "/v1/completions", forced)[1]["choices"][0]["text"] == ""  # <|im_end|> is special
+    raw = {**forced, "skip_special_tokens": False}
+    assert call(base, "/v1/completions", raw)[1]["choices"][0]["text"] == "<|im_end|>" * 3
+    assert "".join(e["choices"][0]["text"] for e in stream_events(base, "/v1/completions", raw)[:-1]) == "<|im_end|>" * 3
+
+    sampled = call(base, "/v1/completions", {**body, "temperature": 1.0, "min_p": 1.0, "seed": 5})[1]
+    assert sampled["choices"][0]["text"] == text
+    assert call(base, "/v1/completions", {**body, "min_p": 1.5})[0] == 400
+
+
 def test_models_health_metrics(base):
     status, models = call(base, "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]

@@ -89,6 +89,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     dev = logits.device
     temps = on_device([p.temperature if not p.greedy else 1.0 for p in params], dev)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = on_device([p.min_p for p in params], dev)
+        probs = probs * (probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True))
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         probs = _top_k_top_p(probs, params)
     if noise is None:

@@ -15,7 +15,7 @@ def _generate(args) -> int:
     from oasiskv.engine.llm_engine import LLMEngine
     from oasiskv.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.sampling_seed,
                             stop=args.stop, ignore_eos=args.ignore_eos)
     engine = LLMEngine(engine_config(args))
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)

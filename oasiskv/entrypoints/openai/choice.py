@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from oasiskv.disagg.decode_side import PREFILL_FAILED
 from oasiskv.engine.async_engine import AsyncEngine, EngineStopped, RequestStream
-from oasiskv.entrypoints.openai.detokenizer import IncrementalDetokenizer, StopStringText
+from oasiskv.entrypoints.openai.detokenizer import IncrementalDetokenizer, StopStringText, TextOptions
 from oasiskv.sampling_params import SamplingParams
 
 log = logging.getLogger("oasiskv.server")
@@ -35,11 +35,11 @@ class ChoiceUpdate:
 
 class Choice:
     def __init__(self, engine: AsyncEngine, index: int, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stop: list[str], tokenizer, live: set):
+                 params: SamplingParams, text: TextOptions, tokenizer, live: set):
         self.engine, self.index, self.request_id, self.live = engine, index, request_id, live
         self.prompt_ids, self.params = prompt_ids, params
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.text = StopStringText(stop)
+        self.detok = IncrementalDetokenizer(tokenizer, text.skip_special_tokens)
+        self.text = StopStringText(text.stop, text.include_stop_str_in_output)
         self.stream: RequestStream | None = None
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if getattr(params, "logprobs", None) is not None else None

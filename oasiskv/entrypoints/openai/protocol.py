@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from oasiskv.entrypoints.openai.detokenizer import TextOptions
+
 MAX_N = 16  # choices per prompt (n, best_of)
 MAX_PROMPTS = 256  # prompts in one batched completion request
 MAX_CHOICES = 256  # engine requests one HTTP request may start (prompts x best_of)
@@ -63,7 +65,7 @@ class StreamOptions(_Strict):
 # Fields OpenAI or vLLM define that are refused with a 400 naming them (see serving.check_supported).
 NOT_SUPPORTED = ("response_format", "tools", "tool_choice", "functions", "function_call",
                  "parallel_tool_calls", "suffix", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar", "prompt_logprobs", "include_stop_str_in_output", "audio", "modalities",
+                 "guided_grammar", "prompt_logprobs", "audio", "modalities",
                  "prediction", "store", "metadata", "reasoning_effort", "web_search_options",
                  "service_tier")
 
@@ -76,10 +78,13 @@ class _SamplingFields(_Strict):
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1  # <= the vocabulary: checked in serving
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None  # choice i of n takes seed + i (mod 2^63)
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
@@ -103,7 +108,6 @@ class _SamplingFields(_Strict):
     guided_choice: Any = None
     guided_grammar: Any = None
     prompt_logprobs: Any = None
-    include_stop_str_in_output: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -118,8 +122,9 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def text_options(self) -> TextOptions:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return TextOptions(stop, self.include_stop_str_in_output, self.skip_special_tokens)
 
 
 class CompletionRequest(_SamplingFields):

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from oasiskv.disagg.transport import TransportError
 from oasiskv.engine.async_engine import AsyncEngine, EngineStopped
 from oasiskv.entrypoints.openai.choice import Choice, ChoiceUpdate
+from oasiskv.entrypoints.openai.detokenizer import TextOptions
 from oasiskv.entrypoints.openai.protocol import (MIN_TEMPERATURE, NOT_SUPPORTED, APIError, ChatMessage,
                                                  _SamplingFields)
 from oasiskv.sampling_params import SamplingParams
@@ -135,7 +136,8 @@ class OpenAIServing:
         if req.min_tokens > max_tokens:
             raise APIError(400, f"`min_tokens` ({req.min_tokens}) must not exceed `max_tokens` ({max_tokens})",
                            param="min_tokens", code="invalid_value")
-        fields = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens,
+        fields = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                      max_tokens=max_tokens,
                       seed=None if req.seed is None else (req.seed + choice) % SEED_MOD,
                       stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
         optional = dict(min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
@@ -198,9 +200,9 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     # ---- choices ------------------------------------------------------------------------
-    async def start(self, specs: list[tuple[int, str, list[int], SamplingParams, list[str]]],
+    async def start(self, specs: list[tuple[int, str, list[int], SamplingParams, TextOptions]],
                     transfer: dict | None = None, stream: bool = False) -> list[Choice]:
-        """Submit (index, request id, prompt ids, params, stop strings) each; all or none.
+        """Submit (index, request id, prompt ids, params, text options) each; all or none.
         `transfer`: the request's kv_transfer_params (a prefill or decode server's request)."""
         if transfer is not None:
             if self.disagg is None:
@@ -219,8 +221,8 @@ class OpenAIServing:
 
     async def _start(self, specs, choices: list[Choice]) -> list[Choice]:
         try:
-            for index, rid, ids, params, stop in specs:
-                c = Choice(self.engine, index, rid, ids, params, stop, self.tokenizer, self.live)
+            for index, rid, ids, params, text in specs:
+                c = Choice(self.engine, index, rid, ids, params, text, self.tokenizer, self.live)
                 await c.start()
                 choices.append(c)
         except ValueError as e:  # the engine's own checks: empty prompt, bad ids, host pool too small

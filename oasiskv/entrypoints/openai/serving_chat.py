@@ -38,7 +38,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     top = req.top_logprobs or 0
     logprobs = top if req.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    specs = [(j, f"{rid}-{j}", ids, serving.sampling_params(req, max_tokens, j, logprobs), req.stop_strings())
+    specs = [(j, f"{rid}-{j}", ids, serving.sampling_params(req, max_tokens, j, logprobs), req.text_options())
              for j in range(req.n)]
     choices = await serving.start(specs, req.kv_transfer_params, req.stream)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.model_name}

@@ -70,7 +70,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
                                             else None, "prompt")
         for j in range(best_of):
             params = serving.sampling_params(req, max_tokens, j, logprobs, prompt_logprobs)
-            specs.append((i * best_of + j, f"{rid}-{i}-{j}", ids, params, req.stop_strings()))
+            specs.append((i * best_of + j, f"{rid}-{i}-{j}", ids, params, req.text_options()))
     choices = await serving.start(specs, req.kv_transfer_params, req.stream)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name}
     if req.stream:
