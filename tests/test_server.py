@@ -103,6 +103,28 @@ def test_chat_equals_engine(base, llm):
     assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
 
 
+def test_chat_template_options(base, llm):
+    """vLLM's continue_final_message and chat_template_kwargs: the prompt is the template's
+    rendering with them, as /v1/completions would complete it."""
+    conversation = MESSAGES + [{"role": "assistant", "content": "A banana is"}]
+    rendered = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False,
+                                                 continue_final_message=True)
+    assert rendered.endswith("A banana is")
+    want = call(base, "/v1/completions", {"prompt": rendered, "max_tokens": 5, "temperature": 0})[1]
+    body = {"messages": conversation, "max_tokens": 5, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
+    status, got = call(base, "/v1/chat/completions", body)
+    assert status == 200, got
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    for bad, param in [({"add_generation_prompt": True}, "continue_final_message"),
+                       ({"messages": MESSAGES}, "continue_final_message"),
+                       ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                       ({"chat_template_kwargs": {"chat_template": "{{ 7 }}"}}, "chat_template_kwargs")]:
+        status, err = call(base, "/v1/chat/completions", {**body, **bad})
+        assert status == 400 and err["error"]["param"] == param, err
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(base):
     """The second time, the prompt's full blocks (2 of 16 tokens) come from the prefix cache: usage
     and /metrics say so, and the answer is the same."""

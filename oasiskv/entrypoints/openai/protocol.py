@@ -164,6 +164,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: how the messages go through the chat template.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (e.g. enable_thinking)
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -23,6 +23,10 @@ from oasiskv.entrypoints.openai.protocol import (MIN_TEMPERATURE, NOT_SUPPORTED,
 from oasiskv.sampling_params import SamplingParams
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+# apply_chat_template's own parameters: `chat_template_kwargs` passes template variables only.
+TEMPLATE_CALL_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 SEED_MOD = 2**63
 
 
@@ -185,14 +189,24 @@ class OpenAIServing:
             raise APIError(400, f"token ids must be below {self.vocab_size}", param="tokens")
         return await self._in_pool(lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
         tok = self._need_tokenizer("messages")
         if not tok.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
+            raise APIError(400, "`continue_final_message` needs `add_generation_prompt`: false and an assistant "
+                                "message last", param="continue_final_message")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(k for k in kwargs if k in TEMPLATE_CALL_ARGS or not k.isidentifier())
+        if reserved:
+            raise APIError(400, f"`chat_template_kwargs` may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             return await self._in_pool(lambda: tok.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt))
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs))
         except Exception as e:  # the template rejects the conversation (e.g. a bad role order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 

@@ -32,7 +32,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     serving.check_supported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "`top_logprobs` needs `logprobs`: true", param="top_logprobs")
-    prompt = await serving.chat_prompt(req.messages)
+    prompt = await serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                       req.chat_template_kwargs)
     ids = await serving.encode(prompt, "messages")
     max_tokens = serving.max_new_tokens(len(ids), req.max_new_tokens, "messages")
     top = req.top_logprobs or 0
