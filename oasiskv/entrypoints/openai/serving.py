@@ -270,15 +270,19 @@ class OpenAIServing:
         """Run every choice to its end; abort them all if the client disconnects first; a failed
         choice fails the response."""
         work = asyncio.ensure_future(asyncio.gather(*(c.run() for c in choices)))
+        # A cancelled gather ends with a CancelledError set as its exception (not as cancelled):
+        # retrieve it, or asyncio logs it as never retrieved.
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())
         gone = asyncio.ensure_future(until_disconnected(raw))
         try:
             await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not work.done():
+            client_left = not work.done()
+            if client_left:
                 work.cancel()
                 self._abort(choices)
-        if work.cancelled():
+        if client_left:
             raise APIError(499, "the client closed the request", code="client_closed")
         work.result()
         failed = next((c for c in choices if c.error), None)
