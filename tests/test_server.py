@@ -166,6 +166,14 @@ def test_vllm_text_fields(base):
     assert call(base, "/v1/completions", raw)[1]["choices"][0]["text"] == "<|im_end|>" * 3
     assert "".join(e["choices"][0]["text"] for e in stream_events(base, "/v1/completions", raw)[:-1]) == "<|im_end|>" * 3
 
+    for path, req in [("/v1/completions", body), ("/v1/chat/completions", {**body, "prompt": None, "messages": MESSAGES})]:
+        req = {k: v for k, v in req.items() if v is not None}
+        opts = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        chunks = stream_events(base, path, {**req, **opts})[:-1]
+        done = [c["usage"]["completion_tokens"] for c in chunks]
+        assert done == sorted(done) and done[-1] == chunks[-1]["usage"]["total_tokens"] - chunks[-1]["usage"]["prompt_tokens"]
+        assert chunks[-1]["choices"] == [] and 0 < done[-1] <= 12 and len(set(done)) > 1
+
     sampled = call(base, "/v1/completions", {**body, "temperature": 1.0, "min_p": 1.0, "seed": 5})[1]
     assert sampled["choices"][0]["text"] == text
     assert call(base, "/v1/completions", {**body, "min_p": 1.5})[0] == 400

@@ -60,6 +60,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the counts so far
 
 
 # Fields OpenAI or vLLM define that are refused with a 400 naming them (see serving.check_supported).
@@ -121,6 +122,10 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def text_options(self) -> TextOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

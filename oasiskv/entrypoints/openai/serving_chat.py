@@ -59,9 +59,13 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
 
 async def _events(serving: OpenAIServing, req: ChatCompletionRequest, head: dict, choices: list[Choice],
                   prompt_tokens: int, top: int):
+    def counts() -> dict:
+        return usage(prompt_tokens, sum(len(c.token_ids) for c in choices), choices[0].num_cached_tokens)
+
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
-        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]})
+        body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}]}
+        return sse(body | {"usage": counts()} if req.continuous_usage else body)
 
     try:
         for c in choices:
@@ -74,8 +78,7 @@ async def _events(serving: OpenAIServing, req: ChatCompletionRequest, head: dict
             yield chunk(u.index, {"content": u.text}, logprobs, u.finish_reason)
         else:
             if req.include_usage:
-                n = sum(len(c.token_ids) for c in choices)
-                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, n, choices[0].num_cached_tokens)})
+                yield sse({**head, "choices": [], "usage": counts()})
     except Exception:  # a bug while formatting fails this stream only, and still ends it cleanly
         log.exception("stream %s failed", head["id"])
         yield sse(error_body("internal error", "server_error"))

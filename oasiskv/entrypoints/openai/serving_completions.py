@@ -119,19 +119,23 @@ async def _choice_body(serving: OpenAIServing, req: CompletionRequest, index: in
 async def _events(serving: OpenAIServing, req: CompletionRequest, head: dict, choices: list[Choice],
                   prompt_ids: list[list[int]]):
     offsets = {c.index: LegacyLogprobs(serving) for c in choices}
+    p = sum(len(ids) for ids in prompt_ids)
+
+    def counts() -> dict:
+        return usage(p, sum(len(c.token_ids) for c in choices), _cached(choices, req.n))
+
     try:
         async for u in serving.merged(choices):
             if u.error:
                 yield sse(error_body(u.error, "server_error"))
                 break
             logprobs = offsets[u.index].build(u.token_ids, u.logprobs) if req.logprobs is not None else None
-            yield sse({**head, "choices": [{"index": u.index, "text": u.text, "logprobs": logprobs,
-                                            "finish_reason": u.finish_reason}]})
+            chunk = {**head, "choices": [{"index": u.index, "text": u.text, "logprobs": logprobs,
+                                          "finish_reason": u.finish_reason}]}
+            yield sse(chunk | {"usage": counts()} if req.continuous_usage else chunk)
         else:
             if req.include_usage:
-                p = sum(len(ids) for ids in prompt_ids)
-                n = sum(len(c.token_ids) for c in choices)
-                yield sse({**head, "choices": [], "usage": usage(p, n, _cached(choices, req.n))})
+                yield sse({**head, "choices": [], "usage": counts()})
     except Exception:  # a bug while formatting fails this stream only, and still ends it cleanly
         log.exception("stream %s failed", head["id"])
         yield sse(error_body("internal error", "server_error"))
