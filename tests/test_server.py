@@ -117,6 +117,9 @@ def test_chat_template_options(base, llm):
     assert status == 200, got
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["text"]
     assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    template = {k: body[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")}
+    counted = call(base, "/tokenize", {"messages": conversation, **template})[1]
+    assert counted["count"] == got["usage"]["prompt_tokens"]
     for bad, param in [({"add_generation_prompt": True}, "continue_final_message"),
                        ({"messages": MESSAGES}, "continue_final_message"),
                        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),

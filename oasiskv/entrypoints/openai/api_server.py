@@ -145,7 +145,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, a
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of `prompt` and `messages`", param="prompt")
         if req.messages is not None:
-            text = await serving.chat_prompt(req.messages, req.add_generation_prompt)
+            text = await serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                             req.chat_template_kwargs)
             ids = await serving.encode(text, "messages", must_fit=False)  # the template holds the special tokens
         else:  # clients such as lm-eval tokenize long texts and truncate them themselves
             ids = await serving.encode(req.prompt, "prompt", req.add_special_tokens, must_fit=False)
