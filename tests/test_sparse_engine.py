@@ -42,17 +42,30 @@ def test_full_budget_reproduces_dense(drafter, prompt, dense_tokens):
         assert out.stats["draft_acceptance"] == 1.0
 
 
-def test_sampled_full_budget_equals_dense_and_the_draft_holds(dense, prompt):
+def test_sampled_full_budget_equals_dense_and_the_draft_holds(dense, prompt, monkeypatch):
     """Seeded sampling. A sparse request draws each position's noise a step early (its draft
     samples with it) but in the same order as dense draws it, so with a full budget it samples
     dense's tokens; and the `self` draft, sampled with that noise, is the next token whenever
-    the chain holds (with a fresh draw per step it matched about a third of the time)."""
+    the chain holds: once a draft is right, every later one is. (The chain starts from prompt
+    lookup, so when it first holds depends on the text; with a fresh draw for the draft, later
+    drafts missed about two times in three.)"""
+    from oasiskv.engine.sparse_decode import SparseDecodeMixin
+
+    hits = []
+    count_step = SparseDecodeMixin._count_step
+
+    def recording(ws, drafter, tok):
+        hits.append(ws.draft == tok)
+        count_step(ws, drafter, tok)
+    monkeypatch.setattr(SparseDecodeMixin, "_count_step", staticmethod(recording))
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=33, ignore_eos=True)
     want = dense.generate(prompt, params)[0].token_ids
     llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=80, sparse_threshold=1024, host_kv_gb=0.5)
     out = llm.generate(prompt, params)[0]
     assert out.token_ids == want
-    assert out.stats["draft_acceptance"] >= 0.9
+    assert len(hits) == 32 and True in hits
+    first = hits.index(True)
+    assert all(hits[first:]) and first <= 16, hits  # held from its first hit, for 16 steps or more
 
 
 def test_full_budget_4k_prompt(dense):
