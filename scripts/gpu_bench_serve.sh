@@ -80,8 +80,9 @@ run_case() {
 # server and a sparse server, each started once and loaded with every scenario named in
 # SCENARIOS, in order, the dense one first (CASES=sparse: the sparse one alone); both with the
 # same flags (--kv-cache-gb $KV_GB, "" = no limit) and the same bench. With the limit both start
-# together (ports PORT and PORT+1) and only the benches take turns; without it one at a time. Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and
-# scenarios.md (scripts/scenario_table.py). One call cannot hold them all: SCENARIOS picks.
+# together (ports PORT and PORT+1) and only the benches take turns; without it one at a time.
+# Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and scenarios.md
+# (scripts/scenario_table.py). One call cannot hold them all: SCENARIOS picks.
 # SPARSE_EXTRA: more flags for the sparse server alone (an A/B in one call: a second run of the
 # script with OUT=$OUT/b CASES=sparse SPARSE_EXTRA="--summary-dtype fp8").
 #   r48x6k: 48 x (1K in, 6K out)   r24x10k: 24 x (1K, 10K)   r16x16k: 16 x (1K, 16K)

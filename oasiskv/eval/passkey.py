@@ -26,6 +26,8 @@ QUESTION = "What is the pass key? The pass key is"
 FRESH_FILLERS = ("argparse", "shutil", "calendar")
 FRESH_DEPTHS = (0.05, 0.25, 0.45, 0.65, 0.85)
 FRESH_SEEDS = (10, 11)
+SUITE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+SUITE_SEEDS = (0, 1, 2, 3)
 # Names of the keys of a multi-key prompt: no word of the suite's filler, one token or two each.
 KEY_NAMES = ("fox", "owl", "whale", "tiger", "heron", "bison", "lynx", "gecko")
 
@@ -148,6 +150,10 @@ def _flag_value(text: str):
     return text
 
 
+def _listed(values) -> str:
+    return " ".join(map(str, values))
+
+
 def add_passkey_args(p) -> None:
     p.add_argument("--set", default="suite", choices=["suite", "fresh"],
                    help="suite: repeated filler, --depths x --seeds, substring scoring; fresh: --fillers x "
@@ -157,9 +163,9 @@ def add_passkey_args(p) -> None:
     p.add_argument("--keys", type=int, default=1, help="named keys per prompt (multi-key needles, "
                    "exact-number scoring when > 1)")
     p.add_argument("--depths", type=float, nargs="+", default=None,
-                   help=f"where the key goes, 0..1 (suite: 0.1 0.3 0.5 0.7 0.9; fresh: {' '.join(map(str, FRESH_DEPTHS))})")
+                   help=f"where the key goes, 0..1 (suite: {_listed(SUITE_DEPTHS)}; fresh: {_listed(FRESH_DEPTHS)})")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
-                   help=f"key seeds (suite: 0 1 2 3; fresh: {' '.join(map(str, FRESH_SEEDS))})")
+                   help=f"key seeds (suite: {_listed(SUITE_SEEDS)}; fresh: {_listed(FRESH_SEEDS)})")
     p.add_argument("--fillers", nargs="+", default=list(FRESH_FILLERS),
                    help="fresh only: standard library modules whose source is the filler")
     p.add_argument("--drafters", nargs="+", default=["self"],
@@ -200,8 +206,8 @@ def run_passkey(args) -> int:
                 cases = make_fresh_cases(llm.tokenizer, args.context_len, args.keys, args.fillers,
                                          args.depths or FRESH_DEPTHS, args.seeds or FRESH_SEEDS)
             else:
-                cases = make_cases(llm.tokenizer, args.context_len, args.depths or [0.1, 0.3, 0.5, 0.7, 0.9],
-                                   args.seeds or [0, 1, 2, 3], args.keys)
+                cases = make_cases(llm.tokenizer, args.context_len, args.depths or SUITE_DEPTHS,
+                                   args.seeds or SUITE_SEEDS, args.keys)
             if args.cases:
                 cases = [c for c in cases if case_name(c) in set(args.cases)]
                 if not cases:
