@@ -79,8 +79,9 @@ run_case() {
 # `bash scripts/gpu_bench_serve.sh scenarios`: the scenario table (docs/benchmarks.md). A dense
 # server and a sparse server, each started once and loaded with every scenario named in
 # SCENARIOS, in order, the dense one first (CASES=sparse: the sparse one alone); both with the
-# same flags (--kv-cache-gb $KV_GB, "" = no limit) and the same bench. With the limit both start
-# together (ports PORT and PORT+1) and only the benches take turns; without it one at a time.
+# same flags (--kv-cache-gb $KV_GB, "" = no limit) and the same bench. Where two servers with the
+# limit fit the GPU (an H200) both start together (ports PORT and PORT+1) and only the benches
+# take turns; otherwise one at a time.
 # Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and scenarios.md
 # (scripts/scenario_table.py). One call cannot hold them all: SCENARIOS picks.
 # SPARSE_EXTRA: more flags for the sparse server alone (an A/B in one call: a second run of the
@@ -133,9 +134,11 @@ if [ "${1:-}" = scenarios ]; then
   cases=" ${CASES:-dense sparse} "
   sparse_flags=(--sparse --host-kv-gb "${HOST_KV_GB:-92}" ${SPARSE_EXTRA:-})
   t0=$SECONDS
-  if [ -n "${KV_GB-24}" ] && [ "$cases" = " dense sparse " ]; then
-    # Both fit the GPU at once with the KV limit: start them together (the loads, captures and
-    # warm-ups overlap), then bench one at a time; an idle server does no GPU work.
+  # Each server holds its KV limit plus ~32 GiB (weights, working sets, graphs, workspace).
+  gpu_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) / 1024 ))
+  if [ -n "${KV_GB-24}" ] && [ "$cases" = " dense sparse " ] && (( gpu_gib >= 2 * (${KV_GB-24} + 32) )); then
+    # Both fit the GPU at once: start them together (the loads, captures and warm-ups overlap),
+    # then bench one at a time; an idle server does no GPU work.
     start_scenario_server dense "$PORT"; dense_pid=$server_pid
     start_scenario_server sparse "$((PORT + 1))" "${sparse_flags[@]}"; sparse_pid=$server_pid
     wait_scenario_server dense "$dense_pid" "$PORT" "$t0" \
