@@ -179,15 +179,24 @@ if triton is not None:
     @triton.jit
     def _fp8_toward(x, TOWARD: tl.constexpr):
         """x (float32, within +-448) as the e4m3 value next to it upward (TOWARD 1) or downward
-        (-1), in float32: the cast to nearest, then one code over where it went the other way
-        (`summaries.to_summary`)."""
-        y = x.to(tl.float8e4nv)
-        yf = y.to(tl.float32)
-        need = (yf < x) if TOWARD > 0 else (yf > x)
-        code = y.to(tl.uint8, bitcast=True).to(tl.int32)
-        step = tl.where(code >= 128, -TOWARD, TOWARD)  # a negative code grows with the magnitude
-        code = tl.where(need, code + step, code)
-        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        (-1), in float32 (`summaries.to_summary`). Found on e4m3's grid by arithmetic, not by
+        Triton's float -> fp8 cast, which can round to a value a code or more away."""
+        e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-6's step
+        step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): 3 mantissa bits
+        inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
+        n = tl.ceil(x * inv) if TOWARD > 0 else tl.floor(x * inv)
+        return n * step
+
+    @triton.jit
+    def _fp8_bits(v):
+        """v (float32, a value e4m3 holds exactly) as that e4m3 value, built from its bits."""
+        b = v.to(tl.int32, bitcast=True)
+        sign = (b >> 24) & 0x80
+        e = ((b >> 23) & 0xFF) - 127
+        normal = ((e + 7) << 3) | ((b >> 20) & 7)
+        sub = (tl.abs(v) * 512.0).to(tl.int32)  # e4m3 subnormals are multiples of 2^-9
+        code = sign | tl.where(e >= -6, normal, sub)
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
     def _fold(kmin_ptr, kmax_ptr, at, y1, y2, i, HALF: tl.constexpr, first, FP8: tl.constexpr):
@@ -210,5 +219,9 @@ if triton is not None:
                 k_hi = k_lo
             lo = tl.where(first, k_lo, tl.minimum(lo, k_lo))
             hi = tl.where(first, k_hi, tl.maximum(hi, k_hi))
-            tl.store(kmin_ptr + p, lo.to(kmin_ptr.dtype.element_ty))
-            tl.store(kmax_ptr + p, hi.to(kmax_ptr.dtype.element_ty))
+            if FP8:
+                tl.store(kmin_ptr + p, _fp8_bits(lo))
+                tl.store(kmax_ptr + p, _fp8_bits(hi))
+            else:
+                tl.store(kmin_ptr + p, lo.to(kmin_ptr.dtype.element_ty))
+                tl.store(kmax_ptr + p, hi.to(kmax_ptr.dtype.element_ty))
