@@ -124,7 +124,7 @@ def interpreter_errors():
 
 def test_fp8_rounding_on_the_grid(interpreter_errors):
     """Directed fp8 rounding as the kernel does it equals torch's, code for code, everywhere on
-    e4m3's range (the kernel does not use Triton's float -> fp8 cast, which differs)."""
+    e4m3's range (the kernel does not use Triton's float -> fp8 cast: the interpreter's differs)."""
     assert interpreter_errors["fp8_grid"] == 0
 
 

@@ -180,7 +180,7 @@ if triton is not None:
     def _fp8_toward(x, TOWARD: tl.constexpr):
         """x (float32, within +-448) as the e4m3 value next to it upward (TOWARD 1) or downward
         (-1), in float32 (`summaries.to_summary`). Found on e4m3's grid by arithmetic, not by
-        Triton's float -> fp8 cast, which can round to a value a code or more away."""
+        Triton's float -> fp8 cast, which the interpreter rounds differently (1.99 -> 1.125)."""
         e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-6's step
         step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): 3 mantissa bits
         inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
