@@ -85,7 +85,7 @@ run_case() {
 # Writes bench_serve_<scenario>_<dense|sparse>.json, then scenarios.json and scenarios.md
 # (scripts/scenario_table.py). One call cannot hold them all: SCENARIOS picks.
 # SPARSE_EXTRA: more flags for the sparse server alone (an A/B in one call: a second run of the
-# script with OUT=$OUT/b CASES=sparse SPARSE_EXTRA="--summary-dtype fp8").
+# script with OUT=$OUT/b CASES=sparse SPARSE_EXTRA="--summary-dtype kv").
 #   r48x6k: 48 x (1K in, 6K out)   r24x10k: 24 x (1K, 10K)   r16x16k: 16 x (1K, 16K)
 #   l16x16k: 16 x (16K in, 512 out)   l8x32k: 8 x (32K in, 1K out)
 scenario_load() {  # name -> "prompts input output"

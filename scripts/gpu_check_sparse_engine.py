@@ -70,7 +70,7 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--pipeline", default="auto", help="--sparse-pipeline of the full-budget run")
-    ap.add_argument("--summary-dtype", default="auto", help="auto | fp8")
+    ap.add_argument("--summary-dtype", default="auto", help="auto (fp8 on CUDA) | kv | fp8")
     ap.add_argument("--fused-merge", action="store_true",
                     help="the pipelined step's attention merges its splits in the last split program")
     ap.add_argument("--attention-splits", type=int, default=None,

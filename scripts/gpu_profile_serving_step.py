@@ -32,7 +32,7 @@ CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N
               "(attention, o_proj, mlp, epilogue), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), "
               "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly), "
               "/bN bounds-scan programs per (request, kv head) (default 3; fewer hold fewer SMs at once), "
-              "/d0 the drafts' lookup as torch ops instead of one kernel, /u1 fp8 block summaries, "
+              "/d0 the drafts' lookup as torch ops instead of one kernel, /u0 block summaries in the KV dtype, /u1 in fp8 (the default on CUDA), "
               "/pN only the first N stages run (p0: none, p1: predict, p2: + select; benchmarks only)")
 
 
@@ -184,7 +184,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
     fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
-                       enforce_eager=bool(knobs.get("e", 0)), summary_dtype="fp8" if knobs.get("u") else "auto",
+                       enforce_eager=bool(knobs.get("e", 0)),
+                       summary_dtype={None: "auto", 0: "kv"}.get(knobs.get("u"), "fp8"),
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
                        fetch_budget=budget if sparse else "auto",
                        max_num_seqs=a.max_num_seqs or max(a.rows, 16),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasiskv.sparse.summaries import FP8, block_minmax, to_summary, update_block_minmax, write_block_minmax
+from oasiskv.sparse.summaries import (FP8, block_minmax, summary_dtype, to_summary, update_block_minmax,
+                                      write_block_minmax)
 
 
 @pytest.mark.parametrize("n,bs", [(1, 16), (16, 16), (37, 16), (64, 16), (13, 8)])
@@ -98,3 +99,16 @@ def test_fp8_summaries_are_the_rounded_exact_ones():
     for got_min, got_max in (built, (kmin, kmax)):
         assert got_min.dtype == FP8
         assert torch.equal(got_min.float(), want_min.float()) and torch.equal(got_max.float(), want_max.float())
+
+
+def test_summary_dtype_auto_is_fp8_on_cuda_only():
+    """`auto` stores fp8 where the KV cache is on CUDA and the KV dtype elsewhere; `kv` and `fp8`
+    are what they say on any device; anything else is refused."""
+    assert summary_dtype("auto", torch.bfloat16, torch.device("cuda", 0)) == FP8
+    assert summary_dtype("auto", torch.bfloat16, "cuda") == FP8
+    assert summary_dtype("auto", torch.float32, "cpu") == torch.float32
+    assert summary_dtype("auto", torch.float32) == torch.float32
+    assert summary_dtype("kv", torch.bfloat16, "cuda") == torch.bfloat16
+    assert summary_dtype("fp8", torch.float32, "cpu") == FP8
+    with pytest.raises(ValueError, match="unknown summary dtype"):
+        summary_dtype("bf16", torch.bfloat16, "cuda")

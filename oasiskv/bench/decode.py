@@ -152,7 +152,8 @@ class DecodeBench:
         from oasiskv.sparse import summaries
 
         mc = self.mc
-        size = summaries.summary_dtype(summary_dtype or self.sparse_cfg.summary_dtype, self.runner.dtype).itemsize
+        size = summaries.summary_dtype(summary_dtype or self.sparse_cfg.summary_dtype, self.runner.dtype,
+                                      self.runner.device).itemsize
         return 2 * self.blocks(context) * mc.num_layers * mc.num_kv_heads * mc.head_dim * size
 
     def host_bytes(self, context: int) -> int:

@@ -29,6 +29,7 @@ from oasiskv.disagg.remote_reads import HostArenaFull, RemoteReads
 from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sparse.drafters import TokenHistory
+from oasiskv.sparse.summaries import to_summary
 from oasiskv.sparse.working_set import WorkingSet
 
 # How a request whose prefill peer failed ends (the server answers it with 502).
@@ -207,7 +208,10 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams,
     m.step = max(m.step, adm.step)
     last = state.last_selected
     last = torch.where(last >= 0, last + (m.step - adm.step), last)
-    ws = WorkingSet(m.cfg, pages, None, state.blocks, last, state.kmin.to(m.device), state.kmax.to(m.device),
+    # The prefill side's summaries in this side's dtype (the min rounded down, the max up).
+    kmin = to_summary(state.kmin.to(m.device), m.summary_dtype, toward=-1)
+    kmax = to_summary(state.kmax.to(m.device), m.summary_dtype, toward=+1)
+    ws = WorkingSet(m.cfg, pages, None, state.blocks, last, kmin, kmax,
                     draft=adm.draft, remote=state.remote)
     ws.history = TokenHistory(seq.token_ids)
     layer, head, pos = held_positions(state.blocks)

@@ -53,8 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          "(the fixed cap alone)")
     sp.add_argument("--drafter", default="self", help="self | ngram | prev | oracle | ondemand")
     sp.add_argument("--host-kv-gb", type=float, default=4.0)
-    sp.add_argument("--summary-dtype", default="auto", choices=["auto", "fp8"],
-                    help="block min/max summaries: auto (the KV dtype) or fp8 e4m3 (half the bytes each step scans)")
+    sp.add_argument("--summary-dtype", default="auto", choices=["auto", "kv", "fp8"],
+                    help="block min/max summaries: fp8 e4m3 (half the bytes each step scans), kv (the KV "
+                         "dtype), or auto (fp8 on CUDA, kv elsewhere)")
     sp.add_argument("--sparse-pipeline", default="auto", choices=["auto", "on", "off"],
                     help="batched lookahead pipeline in CUDA graphs (auto: on CUDA for self, ngram, prev); "
                          "off: the in-line per-request path")

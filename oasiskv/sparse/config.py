@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from oasiskv.sparse.fetch_budget import parse_fetch_budget
 
-SUMMARY_DTYPES = ("auto", "fp8")  # block summaries: the KV dtype, or fp8 e4m3 (oasiskv.sparse.summaries)
+SUMMARY_DTYPES = ("auto", "kv", "fp8")  # block summaries: fp8 e4m3 on CUDA else the KV dtype, the KV dtype, fp8
+# (oasiskv.sparse.summaries)
 DRAFTERS = ("self", "ngram", "prev", "oracle", "ondemand")
 # A request converts only once its context is at least this many times its working set
 # (S + K + W blocks; at K = 128 and block size 16: 4,256 tokens): below that its sparse step
@@ -33,7 +34,7 @@ class SparseConfig:
     fetch_ratio: float = 0.05  # C = ceil(ratio * K) new blocks per head per step; 1.0 = uncapped
     drafter: str = "self"
     host_kv_gb: float = 4.0  # size of the pinned host arena holding sparse requests' full KV
-    summary_dtype: str = "auto"  # block summaries: auto (the KV dtype) | fp8 (half the bytes scanned)
+    summary_dtype: str = "auto"  # block summaries: auto (fp8 on CUDA, else kv) | kv (the KV dtype) | fp8
     fetch_budget: str | float = "auto"  # bytes a step may move: auto | off | MB per step (`fetch_budget`)
 
     def __post_init__(self):

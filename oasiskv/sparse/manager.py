@@ -57,7 +57,7 @@ class SparseManager:
         self.L, self.Hkv, self.D = model_config.num_layers, model_config.num_kv_heads, model_config.head_dim
         self.G = model_config.group_size
         self.device, self.dtype = kv.device, kv.dtype
-        self.summary_dtype = summary_dtype(cfg.summary_dtype, kv.dtype)
+        self.summary_dtype = summary_dtype(cfg.summary_dtype, kv.dtype, kv.device)
         self.host = HostKVPool(cfg.host_kv_gb, block_size, self.D, self.dtype,
                                pin=kv.is_cuda)
         self.item_bytes = 2 * block_size * self.D * self.dtype.itemsize

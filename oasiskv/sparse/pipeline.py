@@ -177,7 +177,7 @@ class LookaheadPipeline:
         self.pages = torch.zeros(R, self.P, **i32)
         self.resident = torch.full((L, R * H, K), -1, **i32)
         self.last = torch.full((L, R * H, K), -1, **i32)
-        self.kmin = torch.zeros(L, summary_blocks, H, self.D, dtype=summary_dtype(cfg.summary_dtype, kv.dtype),
+        self.kmin = torch.zeros(L, summary_blocks, H, self.D, dtype=summary_dtype(cfg.summary_dtype, kv.dtype, dev),
                                 device=dev)
         self.kmax = torch.zeros_like(self.kmin)
         self.summary_offset = torch.zeros(R, dtype=torch.long, device=dev)

@@ -5,8 +5,9 @@ bytes at block size 16. The scores of `block_scores` read only these.
 The summaries of every sparse request of a layer live in one tensor [total_blocks, Hkv, D]
 indexed by a global block id (request offset + logical block); the caller keeps the offsets.
 
-They are stored in the KV dtype, or in fp8 (e4m3, `--summary-dtype fp8`): half the bytes that
-every decode step's prediction scans (at 32K context as many as the working set's KV). A min is
+They are stored in fp8 (e4m3; `--summary-dtype auto` on CUDA, or `fp8`), or in the KV dtype (`kv`,
+and `auto` off CUDA). fp8 halves the bytes that every decode step's prediction scans (at 32K
+context as many as the working set's KV). A min is
 rounded down and a max up (so the box holds every key and the block's bound stays an upper
 bound; to nearest, Qwen2.5-Coder-0.5B's mean KL to dense at 8K was 1.8x float32's, directed
 1.07x: docs/accuracy.md), both clamped to e4m3's ±448. Directed rounding is monotone, so the
@@ -23,9 +24,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def summary_dtype(name: str, kv_dtype: torch.dtype) -> torch.dtype:
+def summary_dtype(name: str, kv_dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The summaries' dtype: `auto` is fp8 where the KV cache is on CUDA (the sparse server 1-4%
+    faster on an H100, the accuracy within noise: docs/benchmarks.md, docs/accuracy.md) and the KV
+    dtype elsewhere; `kv` the KV dtype; `fp8` e4m3."""
     if name not in SUMMARY_DTYPES:
         raise ValueError(f"unknown summary dtype {name!r}; choose one of {', '.join(SUMMARY_DTYPES)}")
+    if name == "auto":
+        name = "fp8" if torch.device(device).type == "cuda" else "kv"
     return FP8 if name == "fp8" else kv_dtype
 
 
