@@ -27,6 +27,7 @@ import sys
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S
+from oasiskv.sparse import block_scores
 from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_triton,
                                          score_blocks_ref, score_blocks_torch,
                                          score_blocks_triton, score_select_triton, score_topk_triton,
@@ -270,9 +271,17 @@ def run_timings(R=16, max_blocks=2048, k=128, sweep=True):
     sel = (torch.empty(R * HKV, k, dtype=torch.int32, device=DEV), torch.empty(R * HKV, k, device=DEV))
     rows.append((f"fused select fp8, k={k}", bench(lambda: score_select_triton(
         q, kmin8, kmax8, off, nb, G, k, max_blocks, out=sel)), dict(summary_bytes=nbytes // 2)))
+    default = block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES
+    block_scores.SELECT_MAX_COMPARES = 1 << 30
+    for bits in (1, 2, 4, 8):  # the select's threshold search, this many bits a pass on any row
+        block_scores.SELECT_DIGIT_BITS = bits
+        rows.append((f"fused select fp8, k={k}, {bits} bits", bench(lambda: score_select_triton(
+            q, kmin8, kmax8, off, nb, G, k, max_blocks, out=sel)), dict(summary_bytes=nbytes // 2)))
+    block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES = default
     for name, us, cfg in rows:
         gbs = cfg.get("summary_bytes", nbytes) / us / 1e3 if "topk only" not in name else float("nan")
-        results["score_table"].append(dict(what=name, us=round(us, 1), GB_s=round(gbs, 1), **cfg))
+        results["score_table"].append(dict(what=name, rows=R, blocks=max_blocks, us=round(us, 1),
+                                           GB_s=round(gbs, 1), **cfg))
         print(f"{name:<34} {us:>8.1f} {gbs:>8.0f} {gbs / (PEAK_TBS * 1e3):>11.1%}")
 
     Rr, K, C = R * HKV, 128, 7
@@ -322,6 +331,7 @@ def main():
     try:
         if not (opts.quick or opts.cpu_smoke):
             run_timings(sweep=not opts.no_sweep)
+            run_timings(R=24, max_blocks=1024, sweep=False)  # the serving step's rows at 8-16K
     finally:
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "sparse.json"), "w") as f:

@@ -24,6 +24,7 @@ import torch
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sparse.block_scores import SELECT_DIGIT_BITS as DEFAULT_SELECT_BITS
 from oasiskv.sparse.pipeline import BOUNDS_PROGRAMS_PER_HEAD as DEFAULT_BOUNDS_PROGRAMS
 
 
@@ -33,7 +34,8 @@ CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N
               "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly), "
               "/bN bounds-scan programs per (request, kv head) (default 3; fewer hold fewer SMs at once), "
               "/d0 the drafts' lookup as torch ops instead of one kernel, /u0 block summaries in the KV dtype, /u1 in fp8 (the default on CUDA), "
-              "/pN only the first N stages run (p0: none, p1: predict, p2: + select; benchmarks only)")
+              "/pN only the first N stages run (p0: none, p1: predict, p2: + select; benchmarks only), "
+              "/gN the top-K select's threshold search N bits a pass (1, 2, 4; fewer on wide rows)")
 
 
 def timed(obj, name, into):
@@ -183,6 +185,8 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     device_drafts.LOOKUP_KERNEL = bool(knobs.get("d", 1))
     from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
     fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
+    from oasiskv.sparse import block_scores  # g: bits a pass of the select's threshold search
+    block_scores.SELECT_DIGIT_BITS = knobs.get("g", DEFAULT_SELECT_BITS)
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
                        enforce_eager=bool(knobs.get("e", 0)),
                        summary_dtype={None: "auto", 0: "kv"}.get(knobs.get("u"), "fp8"),

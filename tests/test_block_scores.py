@@ -249,7 +249,36 @@ def run_interpreter_cases() -> dict:
     exact = score_topk_triton(q, kmin, kmax, off, nb, 4, K, 24, block_tile=TILE, **kw)
     wide = score_topk_triton(q, kmin, kmax, off, nb, 4, K, 100, block_tile=TILE, **kw)
     results["wider_scan_same_blocks"] = bool(torch.equal(exact[0], wide[0]) and torch.equal(exact[1], wide[1]))
+    results["select_digits"] = select_digit_widths_agree()
     return results
+
+
+def select_digit_widths_agree() -> dict:
+    """The select's threshold search 1, 2, 4 or 8 bits a pass: the same blocks and scores, in the
+    same order, on scores full of ties (small integer keys and queries) and negatives, for a k
+    below, at and above the rows' lengths."""
+    from oasiskv.sparse import block_scores
+    q, kmin, kmax, off, nb, keys = make_inputs(3, 2, 2, 16, [37, 9, 40], torch.float32, seed=5)
+    kmin, kmax = block_minmax(keys.round().clamp(-2, 2), 4)
+    q = q.round().clamp(-1, 1)
+    saved = block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES
+    out = {}
+    try:
+        block_scores.SELECT_MAX_COMPARES = 1 << 30
+        for k in (5, 9, 40, 43):
+            runs = {}
+            for bits in (1, 2, 4, 8):
+                block_scores.SELECT_DIGIT_BITS = bits
+                runs[bits] = block_scores.score_select_triton(q, kmin, kmax, off, nb, 2, k, 40, block_tile=16)
+            out[f"k{k}"] = all(torch.equal(runs[1][0], r[0]) and torch.equal(runs[1][1], r[1]) for r in runs.values())
+            if k == 9:  # ties among the chosen scores (so the cut falls inside a run of equal keys)
+                out["ties"] = any(len(set(v[v > float("-inf")].tolist())) < int((v > float("-inf")).sum())
+                                  for v in runs[1][1].flatten(0, 1))
+        block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES = 4, 16384
+        out["bits_on_wide_rows"] = [block_scores.select_digit_bits(m) for m in (512, 1024, 2048, 8192, 32768)]
+    finally:
+        block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES = saved
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +300,12 @@ def test_score_triton_interpreter(interpreter_results, name):
 
 def test_a_wider_scan_picks_the_same_blocks_triton(interpreter_results):
     assert interpreter_results["wider_scan_same_blocks"]
+
+
+def test_select_threshold_search_any_digit_width_triton(interpreter_results):
+    res = interpreter_results["select_digits"]
+    assert all(res[f"k{k}"] for k in (5, 9, 40, 43)) and res["ties"], res
+    assert res["bits_on_wide_rows"] == [4, 4, 2, 1, 1], res
 
 
 if __name__ == "__main__":

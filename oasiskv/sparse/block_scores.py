@@ -447,8 +447,23 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
             u, tile_max, ids, vals, u.stride(0), u.stride(1), tile_max.stride(0), tile_max.stride(1),
             ids.stride(0), max_blocks, tiles, k,
             G=group_size, MP=MP, TP=triton.next_power_of_2(tiles), KP=triton.next_power_of_2(k),
-            num_warps=8 if MP >= 4096 else 4)
+            BITS=select_digit_bits(MP), num_warps=8 if MP >= 4096 else 4)
     return ids.view(R, Hkv, k), vals.view(R, Hkv, k)
+
+
+# The select's threshold search takes up to this many bits a pass (1, 2, 4 or 8): 32 / BITS passes
+# over the row, each counting against 2^BITS candidates at once. Each pass ends in a reduction
+# across the program's warps, so fewer, wider passes may shorten a program that waits on them; a
+# pass compares row x 2^BITS keys in registers, at most SELECT_MAX_COMPARES (fewer bits on wide
+# rows). 1 until the GPU times the wider passes (`scripts/gpu_check_sparse.py` times each).
+SELECT_DIGIT_BITS, SELECT_MAX_COMPARES = 1, 16384
+
+
+def select_digit_bits(row: int) -> int:
+    bits = SELECT_DIGIT_BITS
+    while bits > 1 and row << bits > SELECT_MAX_COMPARES:
+        bits //= 2
+    return bits
 
 
 if triton is not None:
@@ -456,11 +471,13 @@ if triton is not None:
     @triton.jit
     def _select_kernel(u_ptr, tmax_ptr, ids_ptr, vals_ptr, stride_ur, stride_uh, stride_tr, stride_th,
                        stride_o, max_blocks, num_tiles, k,
-                       G: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr):
+                       G: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
+                       BITS: tl.constexpr):
         """One program per (sequence r, kv head h): shifted-max combine of the G heads' bounds,
-        then the k best blocks. The k-th largest score is found bit by bit on an order-keeping
-        integer image of the floats (32 counting passes over the row, in registers); blocks
-        above it, then the first ties, are compacted to the output by a prefix sum."""
+        then the k best blocks. The k-th largest score is found BITS bits at a time on an
+        order-keeping integer image of the floats (32 / BITS counting passes over the row, in
+        registers); blocks above it, then the first ties, are compacted to the output by a
+        prefix sum."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.arange(0, MP)
@@ -478,10 +495,14 @@ if triton is not None:
         bits = s.to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
         thr = tl.zeros((), dtype=tl.int64)  # the largest t with at least k keys >= t
-        for i in tl.static_range(32):
-            cand = thr + (1 << (31 - i))
-            enough = tl.sum((key >= cand).to(tl.int32), axis=0) >= k
-            thr = tl.where(enough, cand, thr)
+        digit = tl.arange(0, 1 << BITS).to(tl.int64)
+        for i in tl.static_range(32 // BITS):
+            # The next BITS bits of t: the largest digit whose candidate still has k keys above
+            # (digit 0, t so far, always has: counts fall as the digit grows).
+            cand = thr + (digit << (32 - BITS * (i + 1)))
+            count = tl.sum((key[:, None] >= cand[None, :]).to(tl.int32), axis=0)
+            best = tl.maximum(tl.sum((count >= k).to(tl.int64), axis=0) - 1, 0)  # 0: a row of < k
+            thr = thr + (best << (32 - BITS * (i + 1)))
         above = key > thr
         tie = key == thr
         take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32), axis=0)))
