@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oasiskv.sparse.capped_eviction import NO_CANDIDATE, capped_eviction, capped_eviction_
-from oasiskv.sparse.fetch_budget import FetchBudget, parse_fetch_budget, share_budget
+from oasiskv.sparse.fetch_budget import MIN_MARGIN_SHARE, FetchBudget, parse_fetch_budget, share_budget
 from triton_interpreter import run_under_interpreter
 
 
@@ -134,6 +134,34 @@ def test_budget_setting():
     assert b.items_per_layer == b.step_bytes // (8192 * 36)
     assert FetchBudget(3, 8192, 36).step_bytes == 3_000_000
     assert not FetchBudget("off", 8192, 36).enabled
+
+
+def test_auto_budget_shrinks_while_steps_stall_and_recovers():
+    """Steps that wait at the join more than STALL_TARGET shrink the auto budget's margin, never
+    below MIN_MARGIN_SHARE of it; steps under the target let it grow back, never past where it
+    started. A budget in MB ignores the stall."""
+    b = FetchBudget("auto", item_bytes=8192, num_layers=36, link_bytes_per_s=40e9, margin=0.7)
+    for _ in range(200):
+        b.observe(0.010, 0.0)
+    full = b.step_bytes
+    assert b.margin == 0.7
+    margins = []
+    for _ in range(400):  # 5% stall: down to the floor
+        b.observe(0.010, 0.0005)
+        margins.append(b.margin)
+    assert margins[0] <= 0.7 and all(x >= y for x, y in zip(margins, margins[1:]))
+    assert b.margin == pytest.approx(0.7 * MIN_MARGIN_SHARE)
+    assert b.step_bytes == pytest.approx(full * MIN_MARGIN_SHARE, rel=1e-6)
+    for _ in range(30):  # 1% stall, under the target: the running mean falls, then the margin grows
+        b.observe(0.010, 0.0001)
+    assert 0.7 * MIN_MARGIN_SHARE < b.margin < 0.7
+    for _ in range(1000):
+        b.observe(0.010, 0.0)
+    assert b.margin == 0.7 and b.step_bytes == pytest.approx(full, abs=1)
+    fixed = FetchBudget(30, 8192, 36)
+    for _ in range(100):
+        fixed.observe(0.010, 0.005)
+    assert fixed.step_bytes == 30_000_000
 
 
 # ---- the kernel, under the Triton interpreter ----------------------------------------------

@@ -3,7 +3,10 @@ ratio of K, whatever the link can carry).
 
 A step may move at most what crosses the host -> GPU link while its foreground runs: budget =
 link rate x foreground time x margin, from the link rate measured at start-up and the
-foreground time of recent steps (`FetchBudget`). Each layer gets an equal share (every layer's
+foreground time of recent steps (`FetchBudget`). The link carries less beside a busy foreground
+than alone, and by how much depends on the card and the load: when the steps' stall (the join
+waiting for the streams) passes STALL_TARGET the margin shrinks, and it grows back while they
+stay under it, never past BUDGET_MARGIN. Each layer gets an equal share (every layer's
 transfer has the same slack: one step; docs/design.md). Inside a layer the share goes to the
 candidates of every row (request, kv head) by predicted value: a row's i-th best missing block
 before any row's (i+1)-th (`share_budget`: by its rank in the row's prediction, then by score),
@@ -37,7 +40,11 @@ BUDGET_MODES = ("auto", "off")  # or a number: MB (10^6 bytes) per step
 BUDGET_MARGIN = 0.7
 NOMINAL_LINK_BYTES_PER_S = 50e9  # pinned host reads by a GPU kernel, H200
 NOMINAL_STEP_S = 6e-3  # a batch-24 decode step of an 8B model on the H200
-FOREGROUND_SMOOTHING = 0.2  # weight of the newest step in the foreground time's running mean
+FOREGROUND_SMOOTHING = 0.2  # weight of the newest step in the running means (foreground, stall)
+# The stall the margin holds the steps under (the join's wait over the step), how fast it moves
+# (down per step over the target, up a quarter as fast under it) and its floor (a share of the
+# full margin: the budget never falls below half of its full value).
+STALL_TARGET, MARGIN_STEP, MIN_MARGIN_SHARE = 0.02, 0.02, 0.5
 
 
 def parse_fetch_budget(value: str | float | None) -> str | float:
@@ -136,18 +143,26 @@ class FetchBudget:
                  link_bytes_per_s: float = NOMINAL_LINK_BYTES_PER_S, margin: float = BUDGET_MARGIN):
         self.setting = parse_fetch_budget(setting)
         self.item_bytes, self.num_layers = item_bytes, num_layers
-        self.link_bytes_per_s, self.margin = link_bytes_per_s, margin
+        self.link_bytes_per_s, self.max_margin, self.margin = link_bytes_per_s, margin, margin
         self.foreground_s = NOMINAL_STEP_S  # running mean of the measured foreground
+        self.stall = 0.0  # running mean of the stall's share of a step
 
     @property
     def enabled(self) -> bool:
         return self.setting != "off"
 
-    def observe(self, foreground_s: float) -> None:
-        """A step's measured foreground time (its layers, without the wait at the join)."""
-        if foreground_s > 0:
-            a = FOREGROUND_SMOOTHING
-            self.foreground_s = (1 - a) * self.foreground_s + a * foreground_s
+    def observe(self, foreground_s: float, stall_s: float = 0.0) -> None:
+        """A step's measured foreground time (its layers, without the wait at the join) and its
+        stall (the wait at the join): the running means, and the margin they call for."""
+        if foreground_s <= 0:
+            return
+        a = FOREGROUND_SMOOTHING
+        self.foreground_s = (1 - a) * self.foreground_s + a * foreground_s
+        self.stall = (1 - a) * self.stall + a * stall_s / (foreground_s + stall_s)
+        if self.stall > STALL_TARGET:
+            self.margin = max(MIN_MARGIN_SHARE * self.max_margin, self.margin * (1 - MARGIN_STEP))
+        else:
+            self.margin = min(self.max_margin, self.margin * (1 + MARGIN_STEP / 4))
 
     @property
     def step_bytes(self) -> int:

@@ -279,7 +279,7 @@ class LookaheadPipeline:
         fg, stall = max(0, fg_done - start) / 1e9, max(0, joined - fg_done) / 1e9
         budget = self._budget_written * self.L * self.item_bytes
         if fg > 0:
-            self.budget.observe(fg)
+            self.budget.observe(fg, stall)
             self.set_budget()
         return {"foreground_s": fg, "stall_s": stall, "bytes": admitted * self.item_bytes,
                 "budget_bytes": budget if self.budget.enabled else 0, "hits": hits,
