@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from oasiskv.sparse.fetch_budget import parse_fetch_budget
 
-SUMMARY_DTYPES = ("auto", "kv", "fp8")  # block summaries: fp8 e4m3 on CUDA else the KV dtype, the KV dtype, fp8
-# (oasiskv.sparse.summaries)
+# Block summaries (oasiskv.sparse.summaries): auto (fp8 on CUDA, else the KV dtype), kv, fp8 e4m3.
+SUMMARY_DTYPES = ("auto", "kv", "fp8")
 DRAFTERS = ("self", "ngram", "prev", "oracle", "ondemand")
 # A request converts only once its context is at least this many times its working set
 # (S + K + W blocks; at K = 128 and block size 16: 4,256 tokens): below that its sparse step
