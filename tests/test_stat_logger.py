@@ -26,3 +26,7 @@ def test_stat_line_counts_the_interval(caplog):
     assert f" x {steps} (" in line
     again = stats.maybe_log(llm.engine)  # nothing ran since: zero throughput, no step figures
     assert "Avg generation throughput: 0.0 tokens/s" in again and "decode step" not in again
+    totals = llm.engine.runner.sparse.totals  # two pipeline steps under a 200 MB budget, half used
+    for key, value in (("steps", 2), ("foreground_s", 0.02), ("bytes", 2e8), ("budget_bytes", 4e8)):
+        totals[key] += value
+    assert "stall 0.0%, 100 of a 200 MB/step budget" in stats.maybe_log(llm.engine)
