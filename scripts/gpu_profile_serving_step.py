@@ -24,6 +24,7 @@ import torch
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sparse.block_scores import BOUNDS_SKIP_DEAD_TILES as DEFAULT_SKIP_DEAD
 from oasiskv.sparse.block_scores import SELECT_DIGIT_BITS as DEFAULT_SELECT_BITS
 from oasiskv.sparse.fetch_budget import STALL_TARGET as DEFAULT_STALL_TARGET
 from oasiskv.sparse.pipeline import BOUNDS_PROGRAMS_PER_HEAD as DEFAULT_BOUNDS_PROGRAMS
@@ -37,7 +38,8 @@ CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N
               "/d0 the drafts' lookup as torch ops instead of one kernel, /u0 block summaries in the KV dtype, /u1 in fp8 (the default on CUDA), "
               "/pN only the first N stages run (p0: none, p1: predict, p2: + select; benchmarks only), "
               "/gN the top-K select's threshold search N bits a pass (1, 2, 4; fewer on wide rows), "
-              "/mN the auto budget's stall target N% (default 2; m100: the margin never moves)")
+              "/mN the auto budget's stall target N% (default 2; m100: the margin never moves), "
+              "/x1 the bounds scan skips the tiles past each row's end")
 
 
 def timed(obj, name, into):
@@ -189,6 +191,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
     from oasiskv.sparse import block_scores  # g: bits a pass of the select's threshold search
     block_scores.SELECT_DIGIT_BITS = knobs.get("g", DEFAULT_SELECT_BITS)
+    block_scores.BOUNDS_SKIP_DEAD_TILES = bool(knobs.get("x", DEFAULT_SKIP_DEAD))
     fetch_budget.STALL_TARGET = knobs.get("m", DEFAULT_STALL_TARGET * 100) / 100  # m: the margin's stall target
     cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
                        enforce_eager=bool(knobs.get("e", 0)),

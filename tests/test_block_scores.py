@@ -250,7 +250,31 @@ def run_interpreter_cases() -> dict:
     wide = score_topk_triton(q, kmin, kmax, off, nb, 4, K, 100, block_tile=TILE, **kw)
     results["wider_scan_same_blocks"] = bool(torch.equal(exact[0], wide[0]) and torch.equal(exact[1], wide[1]))
     results["select_digits"] = select_digit_widths_agree()
+    results["skip_dead_tiles"] = dead_tiles_skipped_agree()
     return results
+
+
+def dead_tiles_skipped_agree() -> dict:
+    """The bounds kernel with the tiles past each row's end skipped: the same bounds and tile
+    maxima, bit for bit, for rows empty, short, past a program's tiles and cut by a window, in
+    bf16 and fp8 summaries."""
+    from oasiskv.sparse import block_scores
+    from oasiskv.sparse.summaries import FP8, to_summary
+    q, kmin, kmax, off, nb, _ = make_inputs(4, 2, 2, 16, [37, 0, 150, 9], torch.bfloat16, seed=9)
+    out = {}
+    for name, (lo, hi, kw) in {"bf16": (kmin, kmax, {}),
+                               "fp8_window": (to_summary(kmin, FP8, -1), to_summary(kmax, FP8, 1),
+                                              dict(window_start=torch.tensor([30, 0, 70, 9], dtype=torch.int32)))}.items():
+        runs = []
+        for skip in (False, True):
+            block_scores.BOUNDS_SKIP_DEAD_TILES = skip
+            tile_max = torch.full((4, 4, 13), 7.0)
+            u = block_scores.head_bounds_triton(q, lo, hi, off, nb, 2, 200, num_sink=1, block_tile=16,
+                                                tiles_per_program=2, tile_max=tile_max, **kw)
+            runs.append((u, tile_max))
+        block_scores.BOUNDS_SKIP_DEAD_TILES = False
+        out[name] = bool(torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]))
+    return out
 
 
 def select_digit_widths_agree() -> dict:
@@ -300,6 +324,10 @@ def test_score_triton_interpreter(interpreter_results, name):
 
 def test_a_wider_scan_picks_the_same_blocks_triton(interpreter_results):
     assert interpreter_results["wider_scan_same_blocks"]
+
+
+def test_bounds_skipping_dead_tiles_triton(interpreter_results):
+    assert all(interpreter_results["skip_dead_tiles"].values()), interpreter_results["skip_dead_tiles"]
 
 
 def test_select_threshold_search_any_digit_width_triton(interpreter_results):

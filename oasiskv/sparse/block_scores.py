@@ -200,7 +200,7 @@ if triton is not None:
                        wide, narrow, G: tl.constexpr, GP: tl.constexpr, NC: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, TILES: tl.constexpr,
                        STAGES: tl.constexpr, HAS_WS: tl.constexpr, PRECISION: tl.constexpr,
-                       FP8: tl.constexpr, UPCAST: tl.constexpr):
+                       FP8: tl.constexpr, UPCAST: tl.constexpr, SKIP_DEAD: tl.constexpr):
         """One program: (sequence r, kv head h, TILES consecutive tiles of BB blocks), each
         tile's summaries loaded once for all G query heads of the group, the next tiles' loads in
         flight while one is summed (STAGES-deep software pipelining). The sums over D run on the
@@ -215,7 +215,10 @@ if triton is not None:
         fp8 summaries (FP8) go to the tensor cores as loaded, in fp8 products: q⁺ and q⁻ are each
         split into two e4m3 numbers, q ≈ q₁ + q₂ (q₂ the rounding error of q₁, so ~2⁻⁸ relative,
         a bf16's precision; components clamped to ±448), columns [q⁺₁ | q⁺₂ | q⁻₁ | q⁻₂]:
-        faster than widening the summaries to float16 in registers."""
+        faster than widening the summaries to float16 in registers.
+
+        SKIP_DEAD: the program's tiles wholly past the row's end are written -inf in a second
+        loop, without products (the first loop, software-pipelined, takes the live ones)."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         first = tl.program_id(2) * TILES
@@ -252,7 +255,11 @@ if triton is not None:
         is_pos = pj < NPART // 2
         is_neg = (pj >= NPART // 2) & (pj < NPART)
         qh = h * G + gi
-        for i in tl.range(0, TILES, num_stages=STAGES):
+        if SKIP_DEAD:
+            live = tl.minimum(tl.maximum((end - first * BB + BB - 1) // BB, 0), TILES)
+        else:
+            live = TILES
+        for i in tl.range(0, live, num_stages=STAGES):
             t = first + i
             b = t * BB + tl.arange(0, BB)
             keep = (b >= num_sink) & (b < end)
@@ -273,6 +280,15 @@ if triton is not None:
                      mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
             tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.max(u, axis=0),
                      mask=(gi < G) & (t < num_tiles))
+        if SKIP_DEAD:
+            for i in range(live, TILES):
+                t = first + i
+                b = t * BB + tl.arange(0, BB)
+                tl.store(out_ptr + r * stride_or + qh[None, :] * stride_oh + b[:, None],
+                         tl.full([BB, GP], float("-inf"), tl.float32),
+                         mask=(b[:, None] < max_blocks) & (gi[None, :] < G))
+                tl.store(tmax_ptr + r * stride_tr + qh * stride_th + t, tl.full([GP], float("-inf"), tl.float32),
+                         mask=(gi < G) & (t < num_tiles))
 
     @triton.jit
     def _combine_kernel(u_ptr, tmax_ptr, out_ptr, stride_ur, stride_uh, stride_tr, stride_th,
@@ -337,8 +353,14 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             G=G, GP=GP, NC=max(16, (4 if fp8 else 2) * GP), D=D, DP=max(32, triton.next_power_of_2(D)),
             BB=block_tile, TILES=tiles_per_program, STAGES=stages, HAS_WS=window_start is not None,
             PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32", FP8=fp8,
-            UPCAST=fp8 and os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=num_warps)
+            UPCAST=fp8 and os.environ.get("TRITON_INTERPRET", "0") == "1", SKIP_DEAD=BOUNDS_SKIP_DEAD_TILES,
+            num_warps=num_warps)
     return out
+
+
+# Tiles wholly past a row's end skip their products (`_bounds_kernel`'s SKIP_DEAD): the same
+# bounds; off until the GPU times it (a runtime trip count may pipeline the live tiles worse).
+BOUNDS_SKIP_DEAD_TILES = False
 
 
 def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
