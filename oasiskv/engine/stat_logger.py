@@ -42,12 +42,12 @@ class StatLogger:
             parts.append(f"prefill step: {1e3 * d['prefill_time'] / d['prefill_steps']:.1f} ms x {d['prefill_steps']:.0f}")
         if d.get("steps"):
             busy = d["foreground_s"] + d["stall_s"]
-            moved = f"{d['bytes'] / d['steps'] / 1e6:.0f}"
+            mb = d["bytes"] / d["steps"] / 1e6
+            moved = f"{mb:.0f} MB/step"
             if d.get("budget_bytes"):  # the pipeline's budget (auto: it shrinks while steps stall)
-                moved += f" of a {d['budget_bytes'] / d['steps'] / 1e6:.0f}"
+                moved = f"{mb:.0f} of a {d['budget_bytes'] / d['steps'] / 1e6:.0f} MB/step budget"
             parts.append(f"sparse steps: {d['steps']:.0f}, foreground {1e3 * d['foreground_s'] / d['steps']:.2f} ms, "
-                         f"stall {100 * d['stall_s'] / busy if busy else 0:.1f}%, {moved} MB/step"
-                         f"{' budget' if d.get('budget_bytes') else ''}")
+                         f"stall {100 * d['stall_s'] / busy if busy else 0:.1f}%, {moved}")
         if d.get("conversions"):
             parts.append(f"conversions: {d['conversions']:.0f}")
         if d.get("preemptions"):
