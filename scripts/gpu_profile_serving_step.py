@@ -37,9 +37,9 @@ CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N
               "/bN bounds-scan programs per (request, kv head) (default 3; fewer hold fewer SMs at once), "
               "/d0 the drafts' lookup as torch ops instead of one kernel, /u0 block summaries in the KV dtype, /u1 in fp8 (the default on CUDA), "
               "/pN only the first N stages run (p0: none, p1: predict, p2: + select; benchmarks only), "
-              "/gN the top-K select's threshold search N bits a pass (1, 2, 4; fewer on wide rows), "
+              "/gN the top-K select's threshold search N bits a pass (1, 2 the default, 4; fewer on wide rows), "
               "/mN the auto budget's stall target N% (default 2; m100: the margin never moves), "
-              "/x1 the bounds scan skips the tiles past each row's end")
+              "/x0 the bounds scan runs the tiles past each row's end (x1, the default: skips them)")
 
 
 def timed(obj, name, into):

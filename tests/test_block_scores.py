@@ -261,7 +261,7 @@ def dead_tiles_skipped_agree() -> dict:
     from oasiskv.sparse import block_scores
     from oasiskv.sparse.summaries import FP8, to_summary
     q, kmin, kmax, off, nb, _ = make_inputs(4, 2, 2, 16, [37, 0, 150, 9], torch.bfloat16, seed=9)
-    out = {}
+    out, saved = {}, block_scores.BOUNDS_SKIP_DEAD_TILES
     for name, (lo, hi, kw) in {"bf16": (kmin, kmax, {}),
                                "fp8_window": (to_summary(kmin, FP8, -1), to_summary(kmax, FP8, 1),
                                               dict(window_start=torch.tensor([30, 0, 70, 9], dtype=torch.int32)))}.items():
@@ -272,7 +272,7 @@ def dead_tiles_skipped_agree() -> dict:
             u = block_scores.head_bounds_triton(q, lo, hi, off, nb, 2, 200, num_sink=1, block_tile=16,
                                                 tiles_per_program=2, tile_max=tile_max, **kw)
             runs.append((u, tile_max))
-        block_scores.BOUNDS_SKIP_DEAD_TILES = False
+        block_scores.BOUNDS_SKIP_DEAD_TILES = saved
         out[name] = bool(torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]))
     return out
 

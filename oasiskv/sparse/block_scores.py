@@ -359,8 +359,8 @@ def head_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 
 # Tiles wholly past a row's end skip their products (`_bounds_kernel`'s SKIP_DEAD): the same
-# bounds; off until the GPU times it (a runtime trip count may pipeline the live tiles worse).
-BOUNDS_SKIP_DEAD_TILES = False
+# bounds, 1-3% faster on an H100 with rows 60% of the scan width (`scripts/gpu_check_sparse.py`).
+BOUNDS_SKIP_DEAD_TILES = True
 
 
 def score_blocks_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
@@ -477,8 +477,9 @@ def score_select_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, k,
 # over the row, each counting against 2^BITS candidates at once. Each pass ends in a reduction
 # across the program's warps, so fewer, wider passes may shorten a program that waits on them; a
 # pass compares row x 2^BITS keys in registers, at most SELECT_MAX_COMPARES (fewer bits on wide
-# rows). 1 until the GPU times the wider passes (`scripts/gpu_check_sparse.py` times each).
-SELECT_DIGIT_BITS, SELECT_MAX_COMPARES = 1, 16384
+# rows). On an H100, 2 bits is 7-11% faster than 1; 4 is slower on wide rows, 8 far slower
+# (`scripts/gpu_check_sparse.py` times each).
+SELECT_DIGIT_BITS, SELECT_MAX_COMPARES = 2, 16384
 
 
 def select_digit_bits(row: int) -> int:
