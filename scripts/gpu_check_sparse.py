@@ -283,12 +283,13 @@ def run_timings(R=16, max_blocks=2048, k=128, sweep=True):
     # with the tiles past each row's end computed and skipped.
     part = torch.full_like(nb, int(0.6 * max_blocks))
     tile, tpp, stages = bounds_tiling(max_blocks)
+    default_skip = block_scores.BOUNDS_SKIP_DEAD_TILES
     for skip in (False, True):
         block_scores.BOUNDS_SKIP_DEAD_TILES = skip
         rows.append((f"bounds fp8, rows 60%, skip dead {int(skip)}", bench(lambda: head_bounds_triton(
             q, kmin8, kmax8, off, part, G, max_blocks, out=bounds, block_tile=tile, tiles_per_program=tpp,
             stages=stages)), dict(summary_bytes=int(0.6 * nbytes) // 2)))
-    block_scores.BOUNDS_SKIP_DEAD_TILES = False
+    block_scores.BOUNDS_SKIP_DEAD_TILES = default_skip
     for name, us, cfg in rows:
         gbs = cfg.get("summary_bytes", nbytes) / us / 1e3 if "topk only" not in name else float("nan")
         results["score_table"].append(dict(what=name, rows=R, blocks=max_blocks, us=round(us, 1),
