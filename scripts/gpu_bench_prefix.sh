@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `oasiskv bench prefix` on one H200, meant to fit one call (each case is cut at CASE_S seconds;
-# not yet timed on the GPU, so LOADS and CASES split it if needed): prefix cache off, then on, for
+# `oasiskv bench prefix` on one H200, one call a load (LOADS=shared-doc CASE_S=170, then
+# LOADS=multi-turn CASE_S=200: both together pass a call's 10 minutes): prefix cache off, then on, for
 # the shared-document load (32 requests x (16K shared document + 256 own question) -> 256 out) and
 # the multi-turn load (16 conversations x 4 turns: a 13K document and a 256-token question, each
 # later turn re-sending the history with a new question, to ~15K), dense, then sparse; qwen3-8b
@@ -9,7 +9,8 @@
 # from GPU pages and loads it from the host tier (a converted request's finished extent).
 # Writes prefix_<dense|sparse>.json and .log to $OUT.
 #
-#   run(command="bash scripts/gpu_bench_prefix.sh")
+#   run(command="LOADS=shared-doc CASE_S=170 bash scripts/gpu_bench_prefix.sh")
+#   run(command="LOADS=multi-turn CASE_S=200 bash scripts/gpu_bench_prefix.sh")
 #
 # Sizes without editing: MODEL, LOAD_FORMAT, N, DOC, Q, O, CONV, TURNS, FIRST, MAX_LEN, HOST_KV_GB, SPARSE_KV_GB,
 # LOADS (default "shared-doc multi-turn"), CASES (default "dense sparse"), CASE_S (seconds per
