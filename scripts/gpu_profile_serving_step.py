@@ -39,7 +39,8 @@ CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N
               "/pN only the first N stages run (p0: none, p1: predict, p2: + select; benchmarks only), "
               "/gN the top-K select's threshold search N bits a pass (1, 2 the default, 4; fewer on wide rows), "
               "/mN the auto budget's stall target N% (default 2; m100: the margin never moves), "
-              "/x0 the bounds scan runs the tiles past each row's end (x1, the default: skips them)")
+              "/x0 the bounds scan runs the tiles past each row's end (x1, the default: skips them), "
+              "/rN the per-head cap at a fetch ratio of N% (r5, the default: C = 7 at K = 128)")
 
 
 def timed(obj, name, into):
@@ -198,6 +199,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
                        summary_dtype={None: "auto", 0: "kv"}.get(knobs.get("u"), "fp8"),
                        sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
                        fetch_budget=budget if sparse else "auto",
+                       **({"fetch_ratio": knobs["r"] / 100} if "r" in knobs else {}),  # r: the per-head cap
                        max_num_seqs=a.max_num_seqs or max(a.rows, 16),
                        max_model_len=a.max_model_len or a.context + a.steps + 64)
     t0 = time.perf_counter()
