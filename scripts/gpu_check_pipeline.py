@@ -159,20 +159,23 @@ def check_graph_step(results: dict) -> None:
         if mode == "graph":
             r.kv.copy_(runs["kv0"])
             host.items.copy_(runs["host0"])
-        p = LookaheadPipeline(sc, mc, r.kv, host, max_rows=B, max_blocks=nb, summary_blocks=B * nb,
+        p = LookaheadPipeline(sc, mc, r.kv, host, max_rows=B, max_blocks=nb,
                               block_size=bs, background=mode == "graph")
         # The same GEMM kernels in both (the eager in-line step runs without the carve-out): a
         # different cuBLAS kernel rounds differently, and near-equal block scores then swap.
         p.gemm_sm_carveout = None
+        first = p.arena.offset(B * sc.working_set_blocks)
         torch.manual_seed(1)
         for i in range(B):
             ext = host.allocate(f"{mode}{i}", mc.num_layers, nb, mc.num_kv_heads)
-            p.bind(i, list(range(i * sc.working_set_blocks, (i + 1) * sc.working_set_blocks)), ext, i * nb)
+            p.bind(i, list(range(i * sc.working_set_blocks, (i + 1) * sc.working_set_blocks)), ext, first + i * nb)
         pick = torch.rand(mc.num_layers, B * mc.num_kv_heads, ctx // bs - 5, device=dev).argsort(-1)
         p.resident.copy_((pick[..., :sc.top_k_blocks] + 1).int())
         p.last.zero_()
-        p.kmin.normal_()
-        p.kmax.copy_(p.kmin + torch.randn_like(p.kmin).abs())
+        held = slice(first, first + B * nb)  # the summaries, in the pages after the working sets'
+        lo = torch.randn(p.kmin[:, held].shape, device=dev)
+        p.kmin[:, held] = lo.to(p.kmin.dtype)
+        p.kmax[:, held] = (lo + torch.randn_like(lo).abs()).to(p.kmax.dtype)
         p.cached.fill_(ctx - 1)
         p.active.fill_(True)
         if mode == "eager":

@@ -155,11 +155,12 @@ def test_dma_backend_moves_what_the_kernel_moves():
     pools = {}
     for backend in ("uva", "dma"):
         kv = kv0.clone()
-        p = LookaheadPipeline(cfg, mc, kv, host, max_rows=R, max_blocks=nb, summary_blocks=R * nb,
+        p = LookaheadPipeline(cfg, mc, kv, host, max_rows=R, max_blocks=nb,
                               block_size=bs, transfer_backend=backend)
         for r in range(R):
             ext = host.allocate(f"{backend}{r}", L, nb, H)
-            p.bind(r, list(range(r * cfg.working_set_blocks, (r + 1) * cfg.working_set_blocks)), ext, r * nb)
+            p.bind(r, list(range(r * cfg.working_set_blocks, (r + 1) * cfg.working_set_blocks)), ext,
+                   p.arena.offset(R * cfg.working_set_blocks) + r * nb)
         p.resident[:] = torch.arange(1, 9, dtype=torch.int32)
         p.last.zero_()
         p.cached[:R] = 35 * bs

@@ -215,6 +215,8 @@ class DecodeBench:
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
         from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
+        from oasiskv.sparse.summaries import summary_dtype as summary_dtype_of
+        from oasiskv.sparse.summary_arena import blocks_per_page, pages_for
 
         r, mc, bs = self.runner, self.mc, self.bs
         # The fixed cap alone unless asked (`fetch_budget`): "auto" reads each step's clock back
@@ -224,8 +226,11 @@ class DecodeBench:
                                   fetch_budget=fetch_budget)
         P, K, S, W = cfg.working_set_blocks, cfg.top_k_blocks, cfg.sink_blocks, cfg.window_blocks
         nb = self.blocks(context)
-        if batch * P > r.num_pages:
-            return self._no_fit("sparse", batch, context, f"needs {batch * P} GPU pages, the pool has {r.num_pages}")
+        summary_pages = pages_for(batch * nb, blocks_per_page(bs, r.dtype, summary_dtype_of(
+            cfg.summary_dtype, r.dtype, r.device)))
+        if batch * P + summary_pages > r.num_pages:
+            return self._no_fit("sparse", batch, context, f"needs {batch * P} GPU pages for working sets and "
+                                f"{summary_pages} for summaries, the pool has {r.num_pages}")
         host = self._host_pool()
         programs, items, warps = transfer_spec(transfer_programs or self.args.transfer_programs.split(",")[0])
         extents = [host.allocate(f"s{i}", mc.num_layers, nb, mc.num_kv_heads) for i in range(batch)]
@@ -233,8 +238,7 @@ class DecodeBench:
             if any(e is None for e in extents):
                 return self._no_fit("sparse", batch, context,
                                     f"host pool holds {host.num_items * host.item_bytes / 2**30:.0f} GiB")
-            p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb,
-                                  summary_blocks=batch * nb, block_size=bs,
+            p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb, block_size=bs,
                                   **({"transfer_programs": programs} if programs else {}),
                                   transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0],
                                   **({"transfer_priority": TRANSFER_PRIORITIES[transfer_priority]}
@@ -250,18 +254,20 @@ class DecodeBench:
                 p.deferred_layers = min(deferred_layers, mc.num_layers)
             if attention_splits is not None:
                 p.attention_splits = attention_splits or None
+            first = p.arena.offset(batch * P)  # the summaries in the pages after the working sets'
             for i, e in enumerate(extents):
-                p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=i * nb)
+                p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=first + i * nb)
             # Synthetic state: K distinct dynamic blocks per (layer, head) from between the sinks
             # and the window, random summaries (min <= max) for every block.
             choices = (context - 1) // bs - W + 1 - S
             pick = torch.rand(mc.num_layers, batch * mc.num_kv_heads, choices, device=r.device).argsort(-1)
             p.resident.copy_((pick[..., :K] + S).int())
             p.last.zero_()
+            held = slice(first, first + batch * nb)
             for layer in range(mc.num_layers):  # a layer at a time: float32 noise for all would need 4x their bytes
-                lo = torch.randn(p.kmin[layer].shape, device=r.device)
-                p.kmin[layer].copy_(lo)
-                p.kmax[layer].copy_(lo + torch.randn_like(lo).abs())
+                lo = torch.randn(p.kmin[layer, held].shape, device=r.device)
+                p.kmin[layer, held] = lo.to(p.kmin.dtype)
+                p.kmax[layer, held] = (lo + torch.randn_like(lo).abs()).to(p.kmax.dtype)
             del lo
             p.cached.fill_(context - 1)
             p.active.fill_(True)

@@ -179,9 +179,15 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams,
             transfer.abandon()
         return None
 
-    pages = engine.block_manager.take(P)
+    bm = engine.block_manager
+    pages = bm.take(P)
     if pages is None:
         return short()
+    run = bm.take_run(m.arena.pages_for(max_blocks))  # its summaries' pages
+    if run is None:
+        bm.give_back(pages)
+        return short()
+    pages_held = pages + run
     if adm.mode == "full":
         if not transfer.done:
             raise ValueError("a full admission is placed once its transfer is done")
@@ -189,7 +195,7 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams,
     else:
         state = admit_rpf(adm, source.reads, peer, max_blocks)
     if state is None:
-        engine.block_manager.give_back(pages)
+        bm.give_back(pages_held)
         return None
     p = m.pipeline
     slot = None
@@ -198,7 +204,7 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams,
             raise ValueError("the engine's pipeline has no rows for disaggregated requests (remote_kv_gb)")
         slot = p.remote.take_slot() if p.num_rows < p.R else None
         if slot is None:  # every row in use: it waits (a full transfer keeps what it read)
-            engine.block_manager.give_back(pages)
+            bm.give_back(pages_held)
             if adm.mode == "rpf":
                 source.reads.release(state.remote)
             return short()
@@ -211,8 +217,8 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams,
     # The prefill side's summaries in this side's dtype (the min rounded down, the max up).
     kmin = to_summary(state.kmin.to(m.device), m.summary_dtype, toward=-1)
     kmax = to_summary(state.kmax.to(m.device), m.summary_dtype, toward=+1)
-    ws = WorkingSet(m.cfg, pages, None, state.blocks, last, kmin, kmax,
-                    draft=adm.draft, remote=state.remote)
+    ws = WorkingSet(m.cfg, pages, None, state.blocks, last, None, None, draft=adm.draft, remote=state.remote)
+    m.place_summaries(ws, kmin, kmax, run)
     ws.history = TokenHistory(seq.token_ids)
     layer, head, pos = held_positions(state.blocks)
     slots = torch.tensor(pages, dtype=torch.long)[pos] * m.Hkv + head
@@ -221,7 +227,7 @@ def admit(engine, adm: Admission, peer: str, params: SamplingParams,
         source.reads.mapped(state.remote)  # from now on the map follows the table
         p.adopt(ws, seq.num_cached_tokens, slot)
         p.remote.set_map(slot, state.remote.where)
-    seq.pages, seq.sparse, seq.status = pages, ws, SequenceStatus.RUNNING
+    seq.pages, seq.sparse, seq.status = pages_held, ws, SequenceStatus.RUNNING
     engine.seqs[seq.request_id] = seq
     engine.scheduler.running.append(seq)
     return seq

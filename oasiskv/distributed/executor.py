@@ -170,9 +170,9 @@ class DriverRunner(ParallelModelRunner):
         may have said it already)."""
         return e if self.ranks.failed else self.ranks.failure(str(e))
 
-    def convert_to_sparse(self, seq: Sequence, last_q: torch.Tensor, pages: list[int]) -> None:
-        self.steps.record_conversion(seq, pages)  # the other ranks convert before the next step
-        super().convert_to_sparse(seq, last_q, pages)
+    def convert_to_sparse(self, seq: Sequence, last_q: torch.Tensor, pages: list[int], summary_run: list[int]) -> None:
+        self.steps.record_conversion(seq, pages, summary_run)  # the other ranks convert before the next step
+        super().convert_to_sparse(seq, last_q, pages, summary_run)
 
     def shutdown(self) -> None:
         """Stop the other ranks (also done when the runner is collected or the process exits)."""

@@ -44,6 +44,7 @@ class Conversion:
     num_cached_tokens: int
     dense_pages: list[int]
     working_set_pages: list[int]
+    summary_run: list[int]
 
 
 @dataclass(slots=True)
@@ -82,8 +83,9 @@ class StepInputBuilder:
         self.sent: dict[str, _Sent] = {}
         self.row_changes: list[Conversion | LeavePipeline] = []
 
-    def record_conversion(self, seq: Sequence, pages: list[int]) -> None:
-        self.row_changes.append(Conversion(seq.request_id, seq.num_cached_tokens, list(seq.pages), list(pages)))
+    def record_conversion(self, seq: Sequence, pages: list[int], summary_run: list[int]) -> None:
+        self.row_changes.append(Conversion(seq.request_id, seq.num_cached_tokens, list(seq.pages), list(pages),
+                                           list(summary_run)))
 
     def record_leave(self, seq: Sequence) -> None:
         self.row_changes.append(LeavePipeline(seq.request_id))
@@ -148,8 +150,8 @@ class RequestMirror:
             if id(seq) not in recorded:
                 raise RuntimeError(f"request {c.request_id!r} converted on rank 0 but recorded no query here")
             seq.num_cached_tokens, seq.pages = c.num_cached_tokens, list(c.dense_pages)
-            r.convert_to_sparse(seq, recorded[id(seq)], c.working_set_pages)
-            seq.pages = list(c.working_set_pages)
+            r.convert_to_sparse(seq, recorded[id(seq)], c.working_set_pages, c.summary_run)
+            seq.pages = list(c.working_set_pages) + list(c.summary_run)
         for rid in step.finished:
             seq = self.seqs.pop(rid)
             if r.sparse is not None:

@@ -69,12 +69,45 @@ class BlockManager:
             return None
         return [self._allocate() for _ in range(n)]
 
-    def _allocate(self) -> int:
-        page, _ = self.free_pages.popitem(last=False)  # the least recently freed
+    def take_run(self, n: int, own: Iterable[int] = ()) -> list[int] | None:
+        """n consecutive pages (a sparse request's summaries, `summary_arena`), the highest such
+        run among the free pages and `own` (pages the caller holds alone and gives up: they are
+        kept held, their names dropped); None if no run is that long."""
+        if n <= 0:
+            return []
+        own = set(own)
+        candidates = sorted(own.union(self.free_pages))
+        end = length = 0
+        for i in range(len(candidates) - 1, -1, -1):  # from the top: dense pages come from the bottom
+            length = length + 1 if length and candidates[i] == candidates[i + 1] - 1 else 1
+            if length == n:
+                end = candidates[i] + n
+                break
+        else:
+            return None
+        run = list(range(end - n, end))
+        for p in run:
+            if p in own:
+                self._drop_name(p)
+            else:
+                del self.free_pages[p]
+                self._drop_name(p)
+                self.ref_counts[p] = 1
+        return run
+
+    def give_back(self, pages: Iterable[int]) -> None:
+        """Pages from `take` / `take_run` that were not used after all."""
+        self.release(pages)
+
+    def _drop_name(self, page: int) -> None:
         name = self.page_name[page]
         if name is not None:  # evicted from the cache: its K/V is about to be overwritten
             del self.named[name]
             self.page_name[page] = None
+
+    def _allocate(self) -> int:
+        page, _ = self.free_pages.popitem(last=False)  # the least recently freed
+        self._drop_name(page)
         self.ref_counts[page] = 1
         return page
 

@@ -260,15 +260,21 @@ class LLMEngine:
                 continue
             need = runner.sparse.cfg.working_set_blocks
             bm = self.block_manager
-            # When the pool is full the working set takes pages the request holds alone
-            # (conversion reads each layer's blocks before it writes that layer's working set).
+            # When the pool is full the working set and the summaries' run take pages the request
+            # holds alone (conversion reads all its blocks before it writes either).
             pages = bm.take(need) or bm.take_own(seq, need)
             if pages is None:
                 continue  # no room for the working set now; it stays dense and tries again
-            runner.convert_to_sparse(seq, last_q, pages)
-            kept = set(pages)
+            taken = set(pages)
+            own = [p for p in seq.pages if bm.ref_counts[p] == 1 and p not in taken]
+            run = bm.take_run(runner.sparse.summary_pages(seq), own)
+            if run is None:
+                bm.give_back([p for p in pages if p not in seq.pages])
+                continue
+            runner.convert_to_sparse(seq, last_q, pages, run)
+            kept = taken.union(run)
             dense_pages = [p for p in seq.pages if p not in kept]
-            seq.pages, seq.convert_early = pages, False
+            seq.pages, seq.convert_early = pages + run, False
             bm.release(reversed(dense_pages))  # shared and named pages stay for other requests
         if runner.sparse.num_conversions > done:
             log.info("%d requests converted to sparse in %.2f s", runner.sparse.num_conversions - done,

@@ -4,6 +4,7 @@ Decode batches on CUDA replay CUDA graphs captured per bucketed batch size.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
 from oasiskv.sparse.manager import SparseManager
-from oasiskv.sparse.host_pool import PinnedOnUse
+from oasiskv.sparse.host_pool import HostKVPool, PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 from oasiskv.sparse.remote_rows import RemoteRows
 from oasiskv.sparse.step_hooks import SparseStepHooks
@@ -69,18 +70,8 @@ class ModelRunner(SparseDecodeMixin):
         # A decode instance's arena of received items (`disagg.LocalItems` hands it out).
         self.remote_items = self._remote_items() if self.sparse is not None else None
         if self._use_pipeline():
-            host = self.sparse.host
-            host_blocks = host.num_items // (mc.num_layers * self.num_kv_heads)
-            remote, slots = None, 0
-            if self.remote_items is not None:  # every row may be a disaggregated one
-                slots = cfg.max_num_seqs
-                remote = RemoteRows(self.remote_items.tensor, slots, mc.num_layers, self.max_blocks_per_seq,
-                                    self.num_kv_heads, cfg.max_num_seqs, sc.top_k_blocks, host_blocks, self.device,
-                                    want_per_head=cfg.want_per_head())
-            self.pipeline = LookaheadPipeline(
-                sc, mc, self.kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
-                summary_blocks=host_blocks + slots * self.max_blocks_per_seq, block_size=self.block_size,
-                remote=remote)
+            self.pipeline = self._build_pipeline(sc, self.kv, self.sparse.host, self.remote_items.tensor
+                                                 if self.remote_items is not None else None)
             self.sparse.pipeline = self.pipeline
             if self.device.type == "cuda":  # events inside the captured step: the stall per step
                 self.pipeline.timing = PipelineTiming(mc.num_layers)
@@ -135,19 +126,33 @@ class ModelRunner(SparseDecodeMixin):
             return False
         return mode == "on" or (self.device.type == "cuda" and self.cfg.drafter not in ("oracle", "ondemand"))
 
+    def _build_pipeline(self, sc, kv: torch.Tensor, host: HostKVPool, remote_items: torch.Tensor | None,
+                        ) -> LookaheadPipeline:
+        """The batched pipeline over the pool `kv`, with rows for --max-num-seqs requests; on a
+        decode instance every row may be a disaggregated one (`remote_items`: its arena)."""
+        cfg, mc = self.cfg, self.model_config
+        remote = None
+        if remote_items is not None:
+            remote = RemoteRows(remote_items, cfg.max_num_seqs, mc.num_layers, self.max_blocks_per_seq,
+                                self.num_kv_heads, cfg.max_num_seqs, sc.top_k_blocks, kv.device,
+                                want_per_head=cfg.want_per_head())
+        return LookaheadPipeline(sc, mc, kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
+                                 block_size=self.block_size, remote=remote)
+
     def _pipeline_reserve(self) -> int:
-        """GPU bytes the pipeline's summary arena will take (one min and max per host block),
-        and on a decode instance its mapped rows' (summaries of max_model_len and an item map
-        per row: set --max-num-seqs to what it decodes at once)."""
+        """GPU bytes of the pipeline's per-row state (its tables, hand-off buffers, and on a
+        decode instance the item maps of its disaggregated rows: set --max-num-seqs to what it
+        decodes at once), which the KV budget holds besides the pages: measured on a pipeline
+        built over a one-page pool (the state does not depend on the pool's size)."""
         if not self._use_pipeline():
             return 0
-        mc = self.model_config
-        item = 2 * self.cfg.block_size * mc.head_dim * self.dtype.itemsize
-        reserve = int(self.cfg.host_kv_gb * 2**30) // item * item // self.cfg.block_size
-        if self.cfg.remote_kv_gb is not None:
-            per_block = mc.num_layers * self.num_kv_heads * (2 * mc.head_dim * self.dtype.itemsize + 4)
-            reserve += self.cfg.max_num_seqs * self.max_blocks_per_seq * per_block
-        return reserve
+        sc = dataclasses.replace(self.cfg.sparse_config(), fetch_budget="off")  # no link measurement
+        kv = torch.empty(self.model_config.num_layers, self.num_kv_heads, *self.kv_page_shape,
+                         dtype=self.dtype, device=self.device)
+        host = HostKVPool(0, self.block_size, self.head_dim, self.dtype, pin=self.device.type == "cuda", num_items=1)
+        remote_items = PinnedOnUse((1, *self.kv_page_shape), self.dtype, pin=self.device.type == "cuda").tensor \
+            if self.cfg.remote_kv_gb is not None else None
+        return self._build_pipeline(sc, kv, host, remote_items).state_bytes()
 
     def _remote_items(self) -> PinnedOnUse | None:
         """[N, 2, bs, D] of `remote_kv_gb` GiB, on CUDA pinned and mapped as it fills (the
@@ -159,20 +164,31 @@ class ModelRunner(SparseDecodeMixin):
         return PinnedOnUse(shape, self.dtype, pin=self.device.type == "cuda")
 
     @property
+    def kv_page_shape(self) -> tuple[int, int, int]:
+        """One (page, head) slot: [2, block_size, head_dim]."""
+        return (2, self.block_size, self.head_dim)
+
+    @property
     def kv_bytes_per_page(self) -> int:
         return self.model_config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
 
     def _num_pages(self) -> int:
+        """Pages of the pool: the KV budget (--kv-cache-gb, else what the card leaves) less the
+        pipeline's per-row state, so the budget holds every byte of KV state: dense pages,
+        working sets and summaries (pages too: `summary_arena`), the pipeline's rows."""
         if self.cfg.kv_cache_gb is not None:
             budget = self.cfg.kv_cache_gb * 2**30
         elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget() - self._pipeline_reserve()
-            if budget <= 0 and self.cfg.remote_kv_gb is not None:
-                raise ValueError("the pipeline's rows for disaggregated requests (summaries and an item map for "
-                                 "--max-num-seqs requests of --max-model-len) leave no GPU memory for the KV "
-                                 "cache: lower --max-num-seqs or --max-model-len")
+            budget = self._cuda_kv_budget()
         else:
             budget = CPU_DEFAULT_KV_GB * 2**30
+        self.pipeline_state_bytes = self._pipeline_reserve()
+        budget -= self.pipeline_state_bytes
+        if budget < self.kv_bytes_per_page:
+            raise ValueError(f"the KV budget ({(budget + self.pipeline_state_bytes) / 2**30:.2f} GiB) holds the "
+                             f"sparse pipeline's rows ({self.pipeline_state_bytes / 2**30:.2f} GiB for "
+                             f"--max-num-seqs {self.cfg.max_num_seqs} of --max-model-len {self.max_model_len}) and "
+                             "no page: raise --kv-cache-gb or lower --max-num-seqs or --max-model-len")
         # Never more than every sequence at full length needs.
         cap = self.cfg.max_num_seqs * self.max_blocks_per_seq
         return max(0, min(int(budget // self.kv_bytes_per_page), cap))
@@ -272,9 +288,9 @@ class ModelRunner(SparseDecodeMixin):
         return ids, pos, meta
 
     # ---- execution ----------------------------------------------------------------------
-    def convert_to_sparse(self, seq: Sequence, last_q: torch.Tensor, pages: list[int]) -> None:
+    def convert_to_sparse(self, seq: Sequence, last_q: torch.Tensor, pages: list[int], summary_run: list[int]) -> None:
         """A dense request moves to sparse decode after a step (`SparseManager.convert`)."""
-        self.sparse.convert(seq, last_q, pages)
+        self.sparse.convert(seq, last_q, pages, summary_run)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:

@@ -172,7 +172,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
-        if self.sparse is not None:
+        if self.sparse is not None:  # first: the host tier copies its summaries out of its pages
             self.sparse.release(seq)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

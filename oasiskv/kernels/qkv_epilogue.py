@@ -75,8 +75,8 @@ def qkv_epilogue_triton(qkv, num_heads, num_kv_heads, positions, cos, sin, q_wei
     copy = f is not None and f.draft_to is not None
     if copy:
         assert f.draft_to.is_contiguous() and f.draft_to.shape[1:] == (Hq, D)
-    if f is not None:
-        assert f.kmin.is_contiguous() and f.kmax.is_contiguous()
+    if f is not None:  # [NB, Hkv, D] with any block stride (the page pool's views: `summary_arena`)
+        assert f.kmin.stride() == f.kmax.stride() and f.kmin.stride()[1:] == (D, 1)
     tokens = PREFILL_TOKENS_PER_PROGRAM if T >= PREFILL_ROWS else 1
     _qkv_epilogue_kernel[(triton.cdiv(T, tokens), Hq + Hkv)](
         qkv, q, k, positions, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv,
@@ -85,7 +85,7 @@ def qkv_epilogue_triton(qkv, num_heads, num_kv_heads, positions, cos, sin, q_wei
         f.block_ids if f is not None else positions, f.first_in_block if f is not None else positions,
         f.draft_to if copy else qkv,
         qkv.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        write_slots.stride(0), write_slots.stride(1), eps,
+        write_slots.stride(0), write_slots.stride(1), f.kmin.stride(0) if f is not None else 0, eps,
         HQ=Hq, HKV=Hkv, D=D, HALF=half, NORM=norm, FOLD=f is not None, COPY=copy,
         Q=f.query_len if f is not None else 1, DRAFT=f.draft_index if copy else 0,
         FP8=f is not None and f.kmin.dtype == torch.float8_e4m3fn, T=T, TOKENS=tokens, num_warps=1)
@@ -118,7 +118,7 @@ if triton is not None:
     @triton.jit
     def _qkv_epilogue_kernel(qkv_ptr, q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                              kv_ptr, slot_ptr, off_ptr, kmin_ptr, kmax_ptr, block_ptr, first_ptr, draft_ptr,
-                             s_qkv, s_cos, skv_slot, skv_kv, skv_tok, ss_t, ss_h, eps,
+                             s_qkv, s_cos, skv_slot, skv_kv, skv_tok, ss_t, ss_h, s_sb, eps,
                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                              NORM: tl.constexpr, FOLD: tl.constexpr, COPY: tl.constexpr, Q: tl.constexpr,
                              DRAFT: tl.constexpr, FP8: tl.constexpr, T, TOKENS: tl.constexpr):
@@ -173,7 +173,7 @@ if triton is not None:
                         if t % Q == 0:
                             b = tl.load(block_ptr + t // Q).to(tl.int64)
                             if b >= 0:
-                                _fold(kmin_ptr, kmax_ptr, (b * HKV + h) * D, y1, y2, i, HALF,
+                                _fold(kmin_ptr, kmax_ptr, b * s_sb + h * D, y1, y2, i, HALF,
                                       tl.load(first_ptr + t // Q) != 0, FP8)
 
     @triton.jit

@@ -24,6 +24,7 @@ from oasiskv.sparse.host_cache import HostHit, HostPrefixCache
 from oasiskv.sparse.host_pool import HostKVPool
 from oasiskv.sparse.prefill_copies import PrefillHostCopies
 from oasiskv.sparse.summaries import summary_dtype, update_block_minmax, write_block_minmax
+from oasiskv.sparse.summary_arena import SummaryArena
 from oasiskv.sparse.working_set import WorkingSet
 
 
@@ -58,6 +59,7 @@ class SparseManager:
         self.G = model_config.group_size
         self.device, self.dtype = kv.device, kv.dtype
         self.summary_dtype = summary_dtype(cfg.summary_dtype, kv.dtype, kv.device)
+        self.arena = SummaryArena(kv, self.Hkv, self.summary_dtype)  # summaries in the page pool
         self.host = HostKVPool(cfg.host_kv_gb, block_size, self.D, self.dtype,
                                pin=kv.is_cuda)
         self.item_bytes = 2 * block_size * self.D * self.dtype.itemsize
@@ -134,14 +136,26 @@ class SparseManager:
         seq.host_extent = None
 
     def summaries(self, ws, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The request's first blocks' summaries [L, num_blocks, Hkv, D]: the pipeline's arena
-        range (addressed by the extent, so it lasts as long as the extent) or the working set's
-        own, moved to the host (they would otherwise hold device memory no budget counts)."""
-        if ws.kmin is None:
-            offset = ws.extent.start // (self.L * self.Hkv)
-            return (self.pipeline.kmin[:, offset:offset + num_blocks],
-                    self.pipeline.kmax[:, offset:offset + num_blocks])
-        return ws.kmin[:, :num_blocks].cpu(), ws.kmax[:, :num_blocks].cpu()
+        """The request's first blocks' summaries [L, num_blocks, Hkv, D], copied to the host: their
+        pages go back to the pool with the request's."""
+        at = slice(ws.summary_offset, ws.summary_offset + num_blocks)
+        return self.arena.kmin[:, at].cpu(), self.arena.kmax[:, at].cpu()
+
+    def summary_pages(self, seq) -> int:
+        """Pages a request's summaries take when it converts (every block it may reach)."""
+        return self.arena.pages_for(seq.host_extent.max_blocks)
+
+    def place_summaries(self, ws, kmin: torch.Tensor, kmax: torch.Tensor, run: list[int]) -> None:
+        """The request's summaries [L, nb, Hkv, D] into its run of pages (`BlockManager.take_run`),
+        where the working set reads them from (in line: `ws.kmin` and `ws.kmax` become views of
+        the whole run) and the pipeline's kernels address them."""
+        nb = kmin.shape[1]
+        assert len(run) >= self.arena.pages_for(nb) and run == list(range(run[0], run[0] + len(run)))
+        ws.summary_offset = self.arena.offset(run[0])
+        self.arena.kmin[:, ws.summary_offset:ws.summary_offset + nb] = kmin
+        self.arena.kmax[:, ws.summary_offset:ws.summary_offset + nb] = kmax
+        held = slice(ws.summary_offset, self.arena.offset(run[-1] + 1))
+        ws.kmin, ws.kmax = self.arena.kmin[:, held], self.arena.kmax[:, held]
 
     # ---- the prefix cache's host tier (worker side) ---------------------------------
     @torch.inference_mode()
@@ -219,10 +233,13 @@ class SparseManager:
 
     # ---- conversion -----------------------------------------------------------------
     @torch.inference_mode()
-    def convert(self, seq, last_q: torch.Tensor, new_pages: list[int]) -> None:
+    def convert(self, seq, last_q: torch.Tensor, new_pages: list[int], summary_run: list[int]) -> None:
         """Dense -> sparse: full KV to the host pool, summaries, working set from the last query.
 
-        last_q: [L, Hq, D] query of the last processed token. The caller frees the dense pages.
+        last_q: [L, Hq, D] query of the last processed token; new_pages: the working set's;
+        summary_run: `summary_pages(seq)` consecutive pages for the summaries. Either may be
+        pages the request holds alone (everything is read before they are written). The caller
+        frees the other dense pages.
         """
         cfg, bs, L, H = self.cfg, self.block_size, self.L, self.Hkv
         n = seq.num_cached_tokens
@@ -267,6 +284,7 @@ class SparseManager:
         src = dense_slots[ws.blocks.to(dev)[l_idx, h_idx, p_idx].long(), h_idx]
         dst = torch.tensor(new_pages, device=dev)[p_idx] * H + h_idx
         self.kv[l_idx, dst] = self.kv[l_idx, src]
+        self.place_summaries(ws, kmin, kmax, summary_run)
         # The first sparse step has no draft row to take an argmax from: start the chain with
         # prompt lookup instead of a copy of the current token (a cold start measured in
         # docs/accuracy.md as one step of `prev`-quality prediction).

@@ -21,7 +21,8 @@ State, for up to R requests ("rows"), all on the device:
                             window ring (block b at S + K + b % W)
     resident, last [L, R*Hkv, K]   logical block of each dynamic slot, the step it was last
                             selected; rows r * Hkv + h
-    kmin, kmax [L, NB, Hkv, D]     block summaries, row r's blocks from summary_offset[r]
+    kmin, kmax [L, NB, Hkv, D]     block summaries, row r's blocks from summary_offset[r]: views
+                            of the page pool (`summary_arena`), a run of pages per row
     host extent of each row (start item, max blocks) for the transfer's addresses; a decode
                             instance's disaggregated rows have none: their items are where
                             `remote` (RemoteRows) maps them
@@ -50,6 +51,7 @@ from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.remote_rows import RemoteRows
 from oasiskv.sparse.step_tables import RowState, StepTables, WriteThrough, step_tables
 from oasiskv.sparse.summaries import summary_dtype
+from oasiskv.sparse.summary_arena import SummaryArena
 
 TRANSFER_BACKENDS = ("uva", "dma")
 # The settings below were each chosen by side-by-side step timings (docs/benchmarks.md, "Where the 16K step goes").
@@ -134,14 +136,12 @@ def working_set_stages(device: torch.device, dtype: torch.dtype, head_dim: int) 
 
 class LookaheadPipeline:
     def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, host: HostKVPool,
-                 max_rows: int, max_blocks: int, summary_blocks: int, block_size: int, *,
+                 max_rows: int, max_blocks: int, block_size: int, *,
                  background: bool | None = None, transfer_programs: int = TRANSFER_PROGRAMS,
                  transfer_backend: str = "uva", transfer_priority: int = TRANSFER_PRIORITY,
                  remote: RemoteRows | None = None):
         """kv: [L, num_slots, 2, block_size, D], the engine's page pool; max_blocks: blocks of
-        the longest request (the width of the score buffer, fixed per graph); summary_blocks:
-        blocks of summaries to hold across all rows (those of `remote`'s slots included);
-        background: run the stages on side streams (default: on CUDA); transfer_priority: the
+        the longest request (the width of the score buffer, fixed per graph); background: run the stages on side streams (default: on CUDA); transfer_priority: the
         transfer stream's (TRANSFER_PRIORITY); remote: a decode instance's mapped rows."""
         mc = model_config
         self.cfg, self.kv, self.host, self.bs = cfg, kv, host, block_size
@@ -177,9 +177,8 @@ class LookaheadPipeline:
         self.pages = torch.zeros(R, self.P, **i32)
         self.resident = torch.full((L, R * H, K), -1, **i32)
         self.last = torch.full((L, R * H, K), -1, **i32)
-        self.kmin = torch.zeros(L, summary_blocks, H, self.D, dtype=summary_dtype(cfg.summary_dtype, kv.dtype, dev),
-                                device=dev)
-        self.kmax = torch.zeros_like(self.kmin)
+        self.arena = SummaryArena(kv, H, summary_dtype(cfg.summary_dtype, kv.dtype, dev))
+        self.kmin, self.kmax = self.arena.kmin, self.arena.kmax
         self.summary_offset = torch.zeros(R, dtype=torch.long, device=dev)
         self.extent_start = torch.zeros(R, dtype=torch.long, device=dev)
         self.extent_blocks = torch.zeros(R, dtype=torch.long, device=dev)
@@ -239,6 +238,27 @@ class LookaheadPipeline:
         self.last_write = WriteThrough(torch.zeros(R, dtype=torch.bool, device=dev),
                                        torch.zeros(R, dtype=torch.long, device=dev),
                                        torch.zeros(R, dtype=torch.long, device=dev))
+
+    def state_bytes(self) -> int:
+        """Device bytes of the rows' state (tables, hand-off buffers, a decode instance's item
+        maps): every device tensor it holds but the page pool and views of host memory."""
+        foreign = {self.kv.untyped_storage().data_ptr(), self.host.items.data_ptr()}
+        if self.remote is not None:
+            foreign.add(self.remote.items.data_ptr())
+        seen: set[int] = set()
+
+        def walk(x) -> int:
+            if isinstance(x, (list, tuple)):
+                return sum(walk(y) for y in x)
+            if not isinstance(x, torch.Tensor) or x.device != self.device:
+                return 0
+            storage = x.untyped_storage()
+            if storage.data_ptr() in foreign or storage.data_ptr() in seen:
+                return 0
+            seen.add(storage.data_ptr())
+            return storage.nbytes()
+        owners = [self] + ([self.remote] if self.remote is not None else [])
+        return sum(walk(v) for o in owners for v in vars(o).values())
 
     def set_scan(self, blocks: int) -> None:
         """The steps built from now on scan `blocks` blocks per request (every request of the
@@ -319,25 +339,20 @@ class LookaheadPipeline:
 
     def adopt(self, ws, cached: int, remote_slot: int = -1) -> None:
         """Take a just-converted request (its WorkingSet as `SparseManager.convert` built it) into
-        the next free row: its working set, LRU stamps and summaries move to the batched state.
-        The summaries live in one arena addressed like the host pool: extents are whole
-        [layer][block][head] ranges, so start // (L * Hkv) is a free block range of its own. A
-        disaggregated request (no extent) comes with its `remote` slot, which owns a range past
-        the host pool's; the caller maps its items (`RemoteRows.set_map`)."""
+        the next free row: its working set and LRU stamps move to the batched state; its
+        summaries are in the page pool already (`SparseManager.place_summaries`). A
+        disaggregated request (no extent) comes with its `remote` slot; the caller maps its
+        items (`RemoteRows.set_map`)."""
         row = len(self.owners)
         if row >= self.R:
             raise RuntimeError(f"more than {self.R} sparse requests at once")
         self.flush_deferred()
         ext, S, K, H = ws.extent, self.S, self.K, self.H
-        offset = ext.start // (self.L * H) if remote_slot < 0 else self.remote.summary_offset(remote_slot)
-        self.bind(row, ws.pages, None if remote_slot >= 0 else ext, offset, remote_slot)
+        self.bind(row, ws.pages, None if remote_slot >= 0 else ext, ws.summary_offset, remote_slot)
         rows = slice(row * H, (row + 1) * H)
         self.resident[:, rows] = ws.blocks[:, :, S:S + K].to(self.device)
         # Conversion stamped its blocks with the in-line path's step; restamp them with ours.
         self.last[:, rows] = torch.where(ws.last_selected.to(self.device) >= 0, self.step, -1).int()
-        nb = ws.kmin.shape[1]
-        self.kmin[:, offset:offset + nb] = ws.kmin
-        self.kmax[:, offset:offset + nb] = ws.kmax
         self.cached[row] = cached
         self.active[row] = False
         tail = torch.from_numpy(ws.history.tail(LOOKUP_WINDOW).copy())

@@ -18,7 +18,6 @@ The host writes the map between steps, on the stream the steps run on, as items 
 the predicted blocks that are not local (so the selection never admits one and the working set
 keeps what it holds, as on the in-line path) and records them in `wanted`, which the host
 reads with the step's tokens (`stage_wanted`, `read_wanted`) and asks of the prefill.
-A slot also owns a range of the pipeline's summary arena, past the host pool's blocks.
 """
 from __future__ import annotations
 
@@ -32,14 +31,13 @@ from oasiskv.sparse.host_pool import pinned_empty
 
 class RemoteRows:
     def __init__(self, items: torch.Tensor, num_slots: int, num_layers: int, max_blocks: int, num_kv_heads: int,
-                 max_rows: int, top_k: int, summary_base: int, device: torch.device, want_per_head: int = 0):
-        """items: the arena [N, 2, bs, D] (pinned and mapped on CUDA: `pinned_empty`);
-        summary_base: the first summary block past the host pool's; want_per_head: the
+                 max_rows: int, top_k: int, device: torch.device, want_per_head: int = 0):
+        """items: the arena [N, 2, bs, D] (pinned and mapped on CUDA: `pinned_empty`); want_per_head: the
         best-ranked missing blocks a (row, head) asks for at each layer (0: all)."""
         L, H, R = num_layers, num_kv_heads, max_rows
         self.items = items
         self.items_on_device = device_view(items, device) if device.type == "cuda" else items
-        self.L, self.H, self.max_blocks, self.summary_base = L, H, max_blocks, summary_base
+        self.L, self.H, self.max_blocks = L, H, max_blocks
         self.want_per_head = want_per_head
         i32 = dict(dtype=torch.int32, device=device)
         self.item_map = torch.full((num_slots, L, max_blocks, H), -1, **i32)
@@ -63,9 +61,6 @@ class RemoteRows:
 
     def free_slot(self, slot: int) -> None:
         self._free.append(slot)
-
-    def summary_offset(self, slot: int) -> int:
-        return self.summary_base + slot * self.max_blocks
 
     def set_row(self, row: int, slot: int) -> None:
         self.row_slots[row] = slot

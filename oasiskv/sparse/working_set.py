@@ -76,6 +76,7 @@ class WorkingSet:
     row: int | None = None  # its row of the LookaheadPipeline, when that path runs it
     remote: object = None  # a disaggregated request's RemoteRequest: its blocks come from a peer
     exact_blocks: int = 0  # full blocks when it converted: computed dense, so the host tier may name them
+    summary_offset: int = 0  # its first block's index in the page pool's summaries (`summary_arena`)
 
     @property
     def dynamic(self) -> slice:
