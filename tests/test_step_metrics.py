@@ -16,7 +16,8 @@ def fake_engine(preemptions: int, totals: dict, conversions: int, prefix=(0, 0, 
     sparse = SimpleNamespace(totals=totals, num_conversions=conversions, host=host)
     return SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=preemptions),
                            block_manager=SimpleNamespace(num_pages=4, num_free=4, queries=prefix[0], hits=prefix[1]),
-                           runner=SimpleNamespace(sparse=sparse), step_stats={"prefill_tokens": prefix[2]})
+                           runner=SimpleNamespace(sparse=sparse), step_stats={"prefill_tokens": prefix[2]},
+                           gpu_bytes_by_kind=lambda: {"weights": 1})
 
 
 def scraped(metrics: ServerMetrics) -> dict[str, float]:

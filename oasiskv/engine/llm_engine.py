@@ -12,6 +12,7 @@ from oasiskv.bench.roofline import kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.config import EngineConfig
 from oasiskv.engine.block_hash import engine_salt
 from oasiskv.engine.block_manager import BlockManager
+from oasiskv.engine.memory_plan import gpu_bytes_by_kind
 from oasiskv.engine.model_runner import ModelRunner
 from oasiskv.engine.sampler import on_device, read_host
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
@@ -175,6 +176,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
+
+    def gpu_bytes_by_kind(self) -> dict[str, int]:
+        """GPU memory by kind now (`memory_plan`): the start-up plan, the pool's pages by holder."""
+        sparse = self.runner.sparse
+        return gpu_bytes_by_kind(self.runner.memory_plan, self.scheduler, self.block_manager,
+                                 sparse.cfg.working_set_blocks if sparse is not None else 0)
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

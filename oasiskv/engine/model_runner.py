@@ -14,6 +14,7 @@ import torch
 
 from oasiskv.config import EngineConfig
 from oasiskv.engine.logprobs import record_prompt_logprobs
+from oasiskv.engine.memory_plan import MemoryPlan, allocated
 from oasiskv.engine.sampler import on_device, sample_requests, to_host
 from oasiskv.engine import runtime_compiles
 from oasiskv.engine.scheduler import ScheduledBatch
@@ -59,6 +60,7 @@ class ModelRunner(SparseDecodeMixin):
         self.block_size = cfg.block_size
         self.num_kv_heads, self.head_dim = mc.num_kv_heads, mc.head_dim
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.activation_peak = 0  # the profiled prefill step's, on CUDA (`_cuda_kv_budget`)
         self.num_pages = self._num_pages()
         # One tensor for all layers; layer l's pool is kv[l] = [num_pages * Hkv, 2, block_size, head_dim].
         self.kv = torch.empty(mc.num_layers, self.num_pages * self.num_kv_heads, 2, self.block_size,
@@ -78,10 +80,16 @@ class ModelRunner(SparseDecodeMixin):
         self.pipeline_steps: dict[tuple[int, int], SparseDecodeStep] = {}  # per (batch bucket, scan width)
         self.pending_conversions: list[tuple[Sequence, torch.Tensor]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.memory_plan = MemoryPlan(
+            weights=sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers())),
+            activation_peak=self.activation_peak, kv_pool=self.kv.nbytes, page_bytes=self.kv_bytes_per_page,
+            pipeline_rows=self.pipeline.state_bytes() if self.pipeline is not None else 0)
         if self.device.type == "cuda" and not cfg.enforce_eager:
+            before = allocated(self.device)
             self._capture_decode_graphs()
             if self.pipeline is not None:
                 self.capture_pipeline_steps()
+            self.memory_plan.cuda_graphs = allocated(self.device) - before
         if self.sparse is not None:
             self.sparse.scan_blocks = self.max_blocks_per_seq
         if self.device.type == "cuda":
@@ -89,6 +97,8 @@ class ModelRunner(SparseDecodeMixin):
             if self.sparse is not None:
                 self.sparse.warm_up_conversion(self.dtype)
             runtime_compiles.watch()  # from here on, a Triton compilation is logged
+        self.memory_plan.allocated = allocated(self.device)
+        self.memory_plan.log()
 
     # ---- set-up -------------------------------------------------------------------------
     def warm_up_prefill(self, chunk: int) -> None:
@@ -197,6 +207,7 @@ class ModelRunner(SparseDecodeMixin):
         """Like vLLM: total * utilization - weights - the activation peak of a full prefill step."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         # One chunk of n tokens from position 0, its K/V in pages 0.. of one pool that every layer
         # shares (the prefill kernel reads them back; n tokens of KV, not a layer's worth each).
@@ -214,6 +225,7 @@ class ModelRunner(SparseDecodeMixin):
         self.model.compute_logits(hidden[-self.cfg.max_num_seqs:])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
+        self.activation_peak = peak - base
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
         return total * self.cfg.gpu_memory_utilization - peak - used_by_others - 2**30

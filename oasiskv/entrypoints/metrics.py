@@ -37,6 +37,9 @@ class ServerMetrics:
                                   "and sparse working sets).")
         self.kv_usage = add(Gauge, "kv_cache_usage_perc", "Fraction of GPU KV pages in use (1 = full).")
         self.gpu_usage = add(Gauge, "gpu_cache_usage_perc", "The same as kv_cache_usage_perc (vLLM's older name).")
+        self.gpu_bytes = Gauge("oasiskv:gpu_memory_bytes", "GPU bytes by kind: weights, kv_dense / "
+                               "kv_working_sets / kv_summaries / kv_free (the page pool's pages by holder), "
+                               "sparse_pipeline_rows, cuda_graphs.", ["model_name", "kind"], registry=self.registry)
         self.host_bytes_total = add(Gauge, "host_pool_bytes_total", "Size of the host KV pool (0 without --sparse).")
         self.host_bytes_used = add(Gauge, "host_pool_bytes_used", "Host KV pool bytes reserved by sparse "
                                    "requests (their full KV).")
@@ -169,6 +172,8 @@ class ServerMetrics:
         self.gpu_pages_used.set(used)
         self.gpu_usage.set(used / bm.num_pages)
         self.kv_usage.set(used / bm.num_pages)
+        for kind, nbytes in engine.gpu_bytes_by_kind().items():
+            self.gpu_bytes.labels(self.model_name, kind).set(nbytes)
         self._advance(self.preemptions, "preemptions", getattr(sched, "num_preemptions", 0))
         self._advance(self.prefix_queries, "prefix_queries", bm.queries)
         self._advance(self.prefix_hits, "prefix_hits", bm.hits)
