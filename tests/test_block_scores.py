@@ -198,6 +198,9 @@ TRITON_CASES = {  # R, Hkv, G, D, num_blocks, dtype, extra kwargs
     "g4_d128_fp16_fp8_summaries": (3, 2, 4, 128, [17, 40, 8], torch.float16, dict(fp8=True)),
     "g3_d64_fp32_fp8_summaries_sink_window": (2, 3, 3, 64, [30, 12], torch.float32,
                                               dict(fp8=True, num_sink=2, window_start=[27, 12])),
+    # As the page pool holds them (`summary_arena`): each block's min and max side by side.
+    "g4_d128_fp16_fp8_summaries_pool_views": (3, 2, 4, 128, [17, 40, 8], torch.float16,
+                                              dict(fp8=True, pool_views=True)),
 }
 MAX_BLOCKS, TILE, K = 40, 16, 6  # 3 tiles, the last partial
 
@@ -216,6 +219,9 @@ def run_interpreter_cases() -> dict:
         fp8 = kw.pop("fp8", False)
         if fp8:
             kmin, kmax = to_summary(kmin, FP8), to_summary(kmax, FP8)
+        if kw.pop("pool_views", False):
+            both = torch.stack([kmin, kmax], 1)
+            kmin, kmax = both[:, 0], both[:, 1]
         tol = FP8_REL_TOL if fp8 else 1e-4  # near-ties, relative to the largest score
         if "window_start" in kw:
             kw = dict(kw, window_start=torch.tensor(kw["window_start"], dtype=torch.int32))

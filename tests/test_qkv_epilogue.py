@@ -23,6 +23,8 @@ CASES = {  # id: (rows R, Q, Hq, Hkv, D, dtype, q/k norm, fold: None | "kv" | "f
     "norm_fp32_q2_fp8_fold_copy_token": (4, 2, 4, 1, 128, torch.float32, True, "fp8", 0),
     "fp16_q2_fold_no_copy": (2, 2, 2, 2, 32, torch.float16, False, "kv", None),
     "fp16_q2_fp8_fold_saturates": (3, 2, 4, 2, 32, torch.float16, False, "fp8", 1),  # keys past +-448
+    # Summaries as the page pool holds them (`summary_arena`): a block's min and max side by side.
+    "fp16_q2_fp8_fold_pool_views": (4, 2, 4, 2, 32, torch.float16, True, "fp8_pool", 1),
     # Prefill-sized launches (lowered here to 4 tokens): 3 tokens a program, the last one partial.
     "prefill_norm_fp32_7_tokens": (7, 1, 4, 2, 64, torch.float32, True, None, 0),
     "prefill_fp16_q2_fold_copy_10_tokens": (5, 2, 6, 2, 64, torch.float16, True, "kv", 1),
@@ -44,14 +46,17 @@ def make_case(R, Q, Hq, Hkv, D, dtype, norm, fold, draft, seed):
     offsets = torch.randint(0, bs, (T,), generator=gen).int()
     f = None
     if fold is not None:
-        sdtype = torch.float8_e4m3fn if fold == "fp8" else dtype
+        sdtype = torch.float8_e4m3fn if fold.startswith("fp8") else dtype
         lo = torch.randn(NB, Hkv, D, generator=gen)
         blocks = torch.randperm(NB, generator=gen)[:R]
         blocks[0] = -1  # a padding row
         first = torch.rand(R, generator=gen) < 0.5
         to = torch.full((R, Hq, D), float("nan")).to(dtype) if draft is not None else None
-        f = SummaryFold(lo.to(sdtype), (lo + lo.abs()).to(sdtype), blocks, first, query_len=Q, draft_to=to,
-                        draft_index=draft or 0)
+        kmin, kmax = lo.to(sdtype), (lo + lo.abs()).to(sdtype)
+        if fold.endswith("_pool"):
+            both = torch.stack([kmin, kmax], 1)  # [NB, 2, Hkv, D]
+            kmin, kmax = both[:, 0], both[:, 1]
+        f = SummaryFold(kmin, kmax, blocks, first, query_len=Q, draft_to=to, draft_index=draft or 0)
     return qkv, positions, rot.cos, rot.sin, qw, kw, cache, slots, offsets, f
 
 
