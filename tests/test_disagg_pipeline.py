@@ -436,7 +436,7 @@ def test_mask_asks_each_line_for_its_best_misses_only():
     """All predicted blocks not local leave the prediction; `wanted` keeps each (row, head)
     line's first `want_per_head` of them (the prediction is sorted best first)."""
     rows = RemoteRows(torch.zeros(8, 2, 1, 1), num_slots=2, num_layers=1, max_blocks=8, num_kv_heads=2,
-                      max_rows=2, top_k=4, summary_base=0, device=torch.device("cpu"), want_per_head=2)
+                      max_rows=2, top_k=4, device=torch.device("cpu"), want_per_head=2)
     rows.set_row(0, 1)
     where = np.full((1, 8, 2), -1)
     where[0, [1, 4], 0] = [5, 6]  # head 0 holds blocks 1 and 4

@@ -267,16 +267,19 @@ class LLMEngine:
                 continue
             need = runner.sparse.cfg.working_set_blocks
             bm = self.block_manager
-            # When the pool is full the working set and the summaries' run take pages the request
-            # holds alone (conversion reads all its blocks before it writes either).
-            pages = bm.take(need) or bm.take_own(seq, need)
-            if pages is None:
+            # Free pages first, then pages the request holds alone, for the working set and the
+            # summaries' run (conversion reads all its blocks before it writes either).
+            free = min(bm.num_free, need)
+            own_part = bm.take_own(seq, need - free) if need > free else []
+            if own_part is None:
                 continue  # no room for the working set now; it stays dense and tries again
+            fresh = bm.take(free)
+            pages = fresh + own_part
             taken = set(pages)
             own = [p for p in seq.pages if bm.ref_counts[p] == 1 and p not in taken]
             run = bm.take_run(runner.sparse.summary_pages(seq), own)
             if run is None:
-                bm.give_back([p for p in pages if p not in seq.pages])
+                bm.give_back(fresh)
                 continue
             runner.convert_to_sparse(seq, last_q, pages, run)
             kept = taken.union(run)
