@@ -128,19 +128,26 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt is {len(token_ids)} tokens, longer than the maximum model length "
                              f"{self.max_model_len} minus one token of output")
-        pages = -(-(len(token_ids) + 1) // self.config.block_size)
-        if pages > self.block_manager.num_pages:
-            raise ValueError(f"the prompt needs {pages} KV pages but the cache holds only "
-                             f"{self.block_manager.num_pages}; raise --kv-cache-gb")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
         if params.top_k > vocab:
             raise ValueError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
-        sparse = self.runner.sparse
+        sparse, num_pages = self.runner.sparse, self.block_manager.num_pages
+        probe = Sequence("", token_ids, params)
+        pages = -(-(len(token_ids) + 1) // self.config.block_size)
+        if pages > num_pages and sparse is None:
+            raise ValueError(f"the prompt needs {pages} KV pages but the cache holds only {num_pages}; raise "
+                             f"--kv-cache-gb, or serve it with --sparse (prefilled through the host pool)")
+        if sparse is not None and sparse.streams_prefill(probe, num_pages):  # prefill beyond HBM
+            probe.streamed = True
+            need = sparse.streamed_pages(probe, self.max_model_len)
+            if need > num_pages:
+                raise ValueError(f"the prompt is longer than the GPU KV pool; streaming its prefill through the "
+                                 f"host pool needs {need} pages but the cache holds only {num_pages}: raise "
+                                 f"--kv-cache-gb or lower max_tokens")
         if sparse is not None:  # a request whose full KV can never fit the host pool would wait forever
-            probe = Sequence("", token_ids, params)
             if sparse.may_go_sparse(probe, self.max_model_len):
                 need = sparse.L * sparse.max_blocks(probe, self.max_model_len) * sparse.Hkv
                 if need > sparse.host.num_items:
@@ -310,7 +317,7 @@ class LLMEngine:
             if seq.is_finished:  # finished (or aborted) while this step was in flight
                 continue
             seq.num_cached_tokens += n
-            if seq.sparse is None:  # a sparse request's pages are its working set, not its blocks
+            if seq.sparse is None and not seq.streamed:  # its pages are a working set or a staging run
                 self.block_manager.name_full_blocks(seq)
             if tok is None:
                 continue

@@ -30,6 +30,7 @@ from oasiskv.sparse.host_pool import HostKVPool, PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 from oasiskv.sparse.remote_rows import RemoteRows
 from oasiskv.sparse.step_hooks import SparseStepHooks
+from oasiskv.sparse.streamed_prefill import StreamedChunk
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_GB = 2.0
@@ -253,9 +254,13 @@ class ModelRunner(SparseDecodeMixin):
             c0 = seq.num_cached_tokens
             ids.append(np.array(seq.token_slice(c0, c0 + n), dtype=np.int64))
             pos.append(np.arange(c0, c0 + n, dtype=np.int64))
-            pages.append(seq.page_array()[pos[-1] // self.block_size])
             used_pages = (c0 + n + self.block_size - 1) // self.block_size
-            chunks.append(PrefillChunk(start, n, c0, seq.pages[:used_pages]))
+            if seq.streamed:  # its staging pages: `run_streamed_prefill` sets the tables
+                pages.append(np.zeros(n, dtype=np.int64))
+                chunks.append(PrefillChunk(start, n, c0, []))
+            else:
+                pages.append(seq.page_array()[pos[-1] // self.block_size])
+                chunks.append(PrefillChunk(start, n, c0, seq.pages[:used_pages]))
             if seq.params.prompt_logprobs is not None and c0 < len(seq.prompt_token_ids) - 1:
                 prompt_rows.append((seq, start, c0, n))
             start += n
@@ -273,6 +278,27 @@ class ModelRunner(SparseDecodeMixin):
             if record:
                 meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.cfg.drafter, record_rows=record)
         return self._h2d(np.concatenate(ids)), self._h2d(positions), meta, logits_rows, prompt_rows
+
+    def run_streamed_prefill(self, seq: Sequence, ids: torch.Tensor, positions: torch.Tensor,
+                             meta: AttentionMetadata) -> torch.Tensor:
+        """One chunk of a prompt longer than the pool, its prefix streamed from the host a layer
+        at a time (`sparse.streamed_prefill`); `meta` from `prepare_prefill` keeps its hooks."""
+        c0, n = seq.num_cached_tokens, ids.shape[0]
+        chunk = StreamedChunk(self.kv, self.sparse.host, seq, c0, n, self.block_size, self.num_kv_heads)
+        pos = np.arange(c0, c0 + n, dtype=np.int64)
+        tables, writes = [], []
+        for buffer in range(chunk.buffers):
+            pages = np.array(chunk.pages(buffer), dtype=np.int64)
+            tables.append(prefill_table([PrefillChunk(0, n, c0, pages.tolist())], self.device))
+            writes.append(self._write_locations(pages[pos // self.block_size], pos))
+
+        def set_buffer(b: int) -> None:
+            meta.prefill_table = tables[b]
+            meta.write_slots, meta.write_offsets = writes[b]
+        meta.prefill_chunks = [PrefillChunk(0, n, c0, chunk.pages(0))]
+        hidden = self.model(ids, positions, chunk.layers(set_buffer), meta)
+        chunk.finish()
+        return hidden
 
     def prepare_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """ids: the input tokens already on the device (async scheduling: the last step's
@@ -311,7 +337,10 @@ class ModelRunner(SparseDecodeMixin):
             if self.sparse is not None and self.sparse.host_cache is not None:
                 self.sparse.load_host_hits(batch.seqs)  # host-tier hits into their pages first
             ids, positions, meta, rows, prompt_rows = self.prepare_prefill(batch)
-            hidden = self.model(ids, positions, self.kv_caches, meta)
+            if batch.seqs[0].streamed:  # alone in its step (the scheduler's rule)
+                hidden = self.run_streamed_prefill(batch.seqs[0], ids, positions, meta)
+            else:
+                hidden = self.model(ids, positions, self.kv_caches, meta)
             if self.sparse is not None:
                 self.sparse.after_prefill_step(batch.seqs, batch.num_tokens)
             for seq, first, pos, n in prompt_rows:

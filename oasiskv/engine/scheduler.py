@@ -62,6 +62,9 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm, budget = self.block_manager, self.max_num_batched_tokens
+        streamed = next((s for s in self.running if s.streamed and s.in_prefill), None)
+        if streamed is not None:  # a prefill beyond HBM takes its steps alone, block-aligned chunks
+            return ScheduledBatch([streamed], [self._streamed_chunk(streamed)], True)
         seqs, sizes = [], []
         computing: set[bytes] = set()  # names of the blocks this step computes
         for seq in self.running:  # unfinished chunked prefills first
@@ -74,6 +77,11 @@ class Scheduler:
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.sparse is not None and self.sparse.streams_prefill(seq, bm.num_pages):
+                seq.streamed = True
+                if seqs or not self._admit_streamed(seq):
+                    break  # it starts alone, once its host extent and staging pages are there
+                return ScheduledBatch([seq], [self._streamed_chunk(seq)], True)
             hits = bm.cached_prefix(seq)  # its leading blocks already in the cache: shared, not prefilled
             if bm.next_block_name(seq, hits) in computing:
                 break  # its next block is computed in this step (another request's): it hits it next step
@@ -94,6 +102,26 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(seqs, sizes, True) if seqs else None
 
+    def _admit_streamed(self, seq: Sequence) -> bool:
+        """A prompt longer than the pool (`streamed_prefill`): its full KV reserved in the host
+        pool and a run of staging pages, or it waits."""
+        if not self.sparse.reserve(seq, self.max_model_len):
+            return False
+        run = self.block_manager.take_run(self.sparse.streamed_pages(seq, self.max_model_len))
+        if run is None:
+            return False
+        self.waiting.popleft()
+        seq.pages, seq.num_cached_tokens = run, 0
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _streamed_chunk(self, seq: Sequence) -> int:
+        """Its next chunk: the step's token budget in whole blocks (so every chunk but the last
+        ends on a block boundary), or the rest of the prompt."""
+        bs = self.block_manager.block_size
+        return min(seq.num_uncached, max(bs, self.max_num_batched_tokens // bs * bs))
+
     def _schedule_decode(self) -> ScheduledBatch | None:
         bm = self.block_manager
         seqs = []
@@ -104,6 +132,8 @@ class Scheduler:
             seq = pending.pop(0)
             if seq.sparse is not None:  # a fixed working set: no page to add
                 seqs.append(seq)
+                continue
+            if seq.streamed:  # its pages are a staging run: it decodes once converted
                 continue
             if not bm.can_grow(seq, seq.num_tokens) and any(s.convert_early for s in seqs):
                 continue  # it waits one step: a conversion after this step frees pages

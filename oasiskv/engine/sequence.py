@@ -42,6 +42,9 @@ class Sequence:
     prefill_copied_to: int = 0
     convert_early: bool = False  # the scheduler converts it to sparse now, instead of a preemption
     hand_over: bool = False  # a prefill instance converts it whatever its length (oasiskv.disagg.prefill_engine)
+    # Its prompt is longer than the GPU pool: prefilled with its K/V in the host pool alone, its
+    # pages a staging run (oasiskv.sparse.streamed_prefill); sparse from its first chunk.
+    streamed: bool = False
     # What sampling records and needs (oasiskv.engine.logprobs, oasiskv.engine.penalties):
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
     cumulative_logprob: float = 0.0

@@ -24,6 +24,7 @@ from oasiskv.sparse.host_cache import HostHit, HostPrefixCache
 from oasiskv.sparse.host_pool import HostKVPool
 from oasiskv.sparse.prefill_copies import PrefillHostCopies
 from oasiskv.sparse.summaries import summary_dtype, update_block_minmax, write_block_minmax
+from oasiskv.sparse.streamed_prefill import staging_pages
 from oasiskv.sparse.summary_arena import SummaryArena
 from oasiskv.sparse.working_set import WorkingSet
 
@@ -96,7 +97,22 @@ class SparseManager:
         return min(len(seq.prompt_token_ids) + seq.params.max_tokens, max_model_len)
 
     def may_go_sparse(self, seq, max_model_len: int) -> bool:
-        return getattr(seq, "hand_over", False) or self.max_tokens(seq, max_model_len) > self.cfg.sparse_threshold
+        return seq.hand_over or seq.streamed or self.max_tokens(seq, max_model_len) > self.cfg.sparse_threshold
+
+    def streams_prefill(self, seq, num_pages: int) -> bool:
+        """Its prompt (and the token after it) does not fit the GPU pool: prefill beyond HBM."""
+        return -(-(len(seq.prompt_token_ids) + 1) // self.block_size) > num_pages
+
+    def streamed_pages(self, seq, max_model_len: int) -> int:
+        """Pages a streamed prefill holds: enough to stage its chunks (`streamed_prefill`) and
+        for its conversion to take its working set and summaries from (one more, as
+        `BlockManager.take_own` asks), so it always converts when its prompt is done."""
+        blocks = self.max_blocks(seq, max_model_len)
+        return max(staging_pages(self.L, blocks), self.conversion_pages(seq, max_model_len) + 1)
+
+    def conversion_pages(self, seq, max_model_len: int) -> int:
+        """Pages a request holds once sparse: its working set and its summaries' run."""
+        return self.cfg.working_set_blocks + self.arena.pages_for(self.max_blocks(seq, max_model_len))
 
     def max_blocks(self, seq, max_model_len: int) -> int:
         return math.ceil(self.max_tokens(seq, max_model_len) / self.block_size)
@@ -225,7 +241,7 @@ class SparseManager:
         instead of a preemption (`Sequence.convert_early`) and it is past the pressure floor."""
         if seq.sparse is not None or getattr(seq, "host_extent", None) is None:
             return False
-        if getattr(seq, "hand_over", False):  # a prefill instance hands it over sparse
+        if seq.hand_over or seq.streamed:  # handed over sparse (a prefill instance), or sparse already
             return True
         if getattr(seq, "convert_early", False):
             return cached_after_step >= self.pressure_floor
@@ -241,20 +257,17 @@ class SparseManager:
         pages the request holds alone (everything is read before they are written). The caller
         frees the other dense pages.
         """
-        cfg, bs, L, H = self.cfg, self.block_size, self.L, self.Hkv
+        if seq.streamed:
+            return self._convert_from_host(seq, last_q, new_pages, summary_run)
+        bs, L, H = self.block_size, self.L, self.Hkv
         n = seq.num_cached_tokens
         nb = -(-n // bs)
         dense_slots = (torch.tensor(seq.pages[:nb], device=self.device)[:, None] * H
                        + torch.arange(H, device=self.device)[None, :])  # [nb, H]
         ext = seq.host_extent
-        max_blocks = ext.max_blocks
-        kmin = torch.empty(L, max_blocks, H, self.D, dtype=self.summary_dtype, device=self.device)
+        kmin = torch.empty(L, ext.max_blocks, H, self.D, dtype=self.summary_dtype, device=self.device)
         kmax = torch.empty_like(kmin)
-        P = cfg.working_set_blocks
-        ws = WorkingSet(cfg, new_pages, ext,
-                        blocks=torch.full((L, H, P), -1, dtype=torch.int32),
-                        last_selected=torch.full((L, H, cfg.top_k_blocks), -1, dtype=torch.int64),
-                        kmin=kmin, kmax=kmax, exact_blocks=n // bs)
+        ws = self._new_working_set(seq, new_pages, n)
         items = self.host.extent_items(ext)  # [L, max_blocks, H, 2, bs, D]
         on_host = min(self.prefill_copies.taken(seq), nb)  # copied while the prompt prefilled
         # The leading blocks' summaries from a host-tier hit, as they were computed (the same K).
@@ -270,30 +283,67 @@ class SparseManager:
             items[layer, on_host:nb].copy_(block_kv[on_host:], non_blocking=True)
             keys = block_kv[reused:, :, 0].transpose(1, 2).reshape((nb - reused) * bs, H, self.D)[:n - reused * bs]
             write_block_minmax(kmin[layer, reused:], kmax[layer, reused:], keys, bs)
-        win_start, cur = ws.window_start(n, bs), n // bs
         dev = self.device
-        pred = self._conversion_topk(last_q, kmin, kmax, cur, win_start).cpu()  # [L, H, K]: the one sync
-        sinks_and_window = list(range(cfg.sink_blocks)) + list(range(win_start, cur + (1 if n % bs else 0)))
-        positions = [b if b < cfg.sink_blocks else ws.window_position(b) for b in sinks_and_window]
-        ws.blocks[:, :, positions] = torch.tensor(sinks_and_window, dtype=torch.int32)
-        ws.blocks[:, :, ws.dynamic] = pred
-        ws.last_selected.copy_(torch.where(pred >= 0, self.step, -1))
+        pred = self._conversion_topk(last_q, kmin, kmax, n // bs, ws.window_start(n, bs)).cpu()  # the one sync
+        self._fill_working_set(ws, pred, n)
         # Copy every held block from its dense page into its working-set slot (GPU -> GPU); the
         # host copies above read gathered copies, so new pages may be the request's own.
         l_idx, h_idx, p_idx = (i.to(dev) for i in torch.nonzero(ws.blocks >= 0, as_tuple=True))
         src = dense_slots[ws.blocks.to(dev)[l_idx, h_idx, p_idx].long(), h_idx]
         dst = torch.tensor(new_pages, device=dev)[p_idx] * H + h_idx
         self.kv[l_idx, dst] = self.kv[l_idx, src]
+        self._finish_conversion(seq, ws, kmin, kmax, summary_run, n)
+
+    def _new_working_set(self, seq, pages: list[int], num_tokens: int) -> WorkingSet:
+        cfg, L, H = self.cfg, self.L, self.Hkv
+        return WorkingSet(cfg, pages, seq.host_extent,
+                          blocks=torch.full((L, H, cfg.working_set_blocks), -1, dtype=torch.int32),
+                          last_selected=torch.full((L, H, cfg.top_k_blocks), -1, dtype=torch.int64),
+                          kmin=None, kmax=None, exact_blocks=num_tokens // self.block_size)
+
+    def _fill_working_set(self, ws: WorkingSet, pred: torch.Tensor, num_tokens: int) -> None:
+        """Sinks, the window and the predicted top-K `pred` [L, H, K] as the working set's blocks."""
+        cfg, bs = self.cfg, self.block_size
+        win_start, cur = ws.window_start(num_tokens, bs), num_tokens // bs
+        sinks_and_window = list(range(cfg.sink_blocks)) + list(range(win_start, cur + (1 if num_tokens % bs else 0)))
+        positions = [b if b < cfg.sink_blocks else ws.window_position(b) for b in sinks_and_window]
+        ws.blocks[:, :, positions] = torch.tensor(sinks_and_window, dtype=torch.int32)
+        ws.blocks[:, :, ws.dynamic] = pred
+        ws.last_selected.copy_(torch.where(pred >= 0, self.step, -1))
+
+    def _finish_conversion(self, seq, ws: WorkingSet, kmin: torch.Tensor, kmax: torch.Tensor,
+                           summary_run: list[int], num_tokens: int) -> None:
         self.place_summaries(ws, kmin, kmax, summary_run)
         # The first sparse step has no draft row to take an argmax from: start the chain with
         # prompt lookup instead of a copy of the current token (a cold start measured in
         # docs/accuracy.md as one step of `prev`-quality prediction).
         ws.history = TokenHistory(seq.token_ids)
-        ws.draft = next_draft(cfg.drafter, ws.history, None, seq.last_token_id, None)
+        ws.draft = next_draft(self.cfg.drafter, ws.history, None, seq.last_token_id, None)
         seq.sparse = ws
         self.num_conversions += 1
         if self.pipeline is not None:
-            self.pipeline.adopt(ws, n)
+            self.pipeline.adopt(ws, num_tokens)
+
+    def _convert_from_host(self, seq, last_q: torch.Tensor, new_pages: list[int], summary_run: list[int]) -> None:
+        """`convert` of a streamed prefill: its K/V is in the host extent alone, so the summaries
+        and the working set are read from there, a layer at a time."""
+        bs, L, H = self.block_size, self.L, self.Hkv
+        n, ext = seq.num_cached_tokens, seq.host_extent
+        nb = -(-n // bs)
+        kmin = torch.empty(L, ext.max_blocks, H, self.D, dtype=self.summary_dtype, device=self.device)
+        kmax = torch.empty_like(kmin)
+        items = self.host.extent_items(ext)  # [L, max_blocks, H, 2, bs, D]
+        for layer in range(L):
+            keys = items[layer, :nb, :, 0].to(self.device).transpose(1, 2).reshape(nb * bs, H, self.D)[:n]
+            write_block_minmax(kmin[layer], kmax[layer], keys, bs)
+        ws = self._new_working_set(seq, new_pages, n)
+        pred = self._conversion_topk(last_q, kmin, kmax, n // bs, ws.window_start(n, bs)).cpu()
+        self._fill_working_set(ws, pred, n)
+        layer, head, pos = torch.nonzero(ws.blocks >= 0, as_tuple=True)
+        block = ws.blocks[layer, head, pos].long()
+        dst = (torch.tensor(new_pages)[pos] * H + head).to(self.device)
+        self.kv[layer.to(self.device), dst] = items[layer, block, head].to(self.device)
+        self._finish_conversion(seq, ws, kmin, kmax, summary_run, n)
 
     def _conversion_topk(self, last_q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                          cur: int, win_start: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ class PrefillHostCopies:
         last one ended (a preempted request computing its prompt again) starts the copies over."""
         bs, todo = self.block_size, []
         for seq, n in zip(seqs, num_tokens):
-            if seq.host_extent is None or seq.sparse is not None or not converts(seq):
+            if seq.host_extent is None or seq.sparse is not None or seq.streamed or not converts(seq):
                 continue
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + n
             if start != seq.prefill_copied_to:
