@@ -123,8 +123,8 @@ class StreamedChunk:
             self.staged[layer + 2] = event
 
     def finish(self) -> None:
-        """After the forward: the last layer's chunk to the host; the compute stream waits for
-        every copy (the pages may be handed on, the host items read, after this)."""
+        """After the forward: the last layer's chunk to the host, and the host waits for every
+        copy (the pages may be handed on, and the host items read on the CPU, after this)."""
         self._after_layer(self.L - 1)
         if self.stream is not None:
-            torch.cuda.current_stream(self.kv.device).wait_stream(self.stream)
+            self.stream.synchronize()
