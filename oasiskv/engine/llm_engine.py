@@ -141,6 +141,9 @@ class LLMEngine:
             raise ValueError(f"the prompt needs {pages} KV pages but the cache holds only {num_pages}; raise "
                              f"--kv-cache-gb, or serve it with --sparse (prefilled through the host pool)")
         if sparse is not None and sparse.streams_prefill(probe, num_pages):  # prefill beyond HBM
+            if self.config.tensor_parallel_size > 1:
+                raise ValueError(f"the prompt needs {pages} KV pages but the cache holds only {num_pages}, and "
+                                 "prefill through the host pool does not run with tensor parallelism yet")
             probe.streamed = True
             need = sparse.streamed_pages(probe, self.max_model_len)
             if need > num_pages:
