@@ -305,8 +305,9 @@ class SparseManager:
         """Sinks, the window and the predicted top-K `pred` [L, H, K] as the working set's blocks."""
         cfg, bs = self.cfg, self.block_size
         win_start, cur = ws.window_start(num_tokens, bs), num_tokens // bs
-        sinks_and_window = list(range(cfg.sink_blocks)) + list(range(win_start, cur + (1 if num_tokens % bs else 0)))
-        positions = [b if b < cfg.sink_blocks else ws.window_position(b) for b in sinks_and_window]
+        held = cur + (1 if num_tokens % bs else 0)  # blocks with a token
+        sinks_and_window = list(range(min(cfg.sink_blocks, held))) + list(range(win_start, held))
+        positions = [ws.position(b) for b in sinks_and_window]
         ws.blocks[:, :, positions] = torch.tensor(sinks_and_window, dtype=torch.int32)
         ws.blocks[:, :, ws.dynamic] = pred
         ws.last_selected.copy_(torch.where(pred >= 0, self.step, -1))
@@ -453,7 +454,8 @@ class SparseManager:
         """Slot table [L, H, P] and cached-token counts [L, H] for a step adding token `cached`."""
         cfg, bs, H = self.cfg, self.block_size, self.Hkv
         window, partial = ws.window_positions(cached, bs)
-        order = list(range(cfg.sink_blocks + cfg.top_k_blocks)) + window  # sinks, dynamic, window
+        full_sinks = list(range(min(cfg.sink_blocks, cached // bs)))  # a partial sink comes last, with the window
+        order = full_sinks + list(range(cfg.sink_blocks, cfg.sink_blocks + cfg.top_k_blocks)) + window
         order_t = torch.tensor(order, dtype=torch.long)
         valid = ws.blocks[layers][:, :, order_t] >= 0  # [L, H, n]
         # Valid positions first, in order: full blocks, then the partial window block last.
@@ -467,7 +469,7 @@ class SparseManager:
 
     def write_slots(self, ws: WorkingSet, cached: int) -> list[int]:
         """GPU slot of each KV head for the token being added (its block's window position)."""
-        page = ws.pages[ws.window_position(cached // self.block_size)]
+        page = ws.pages[ws.position(cached // self.block_size)]
         return [page * self.Hkv + h for h in range(self.Hkv)]
 
     def start_token(self, ws: WorkingSet, cached: int) -> None:
@@ -475,7 +477,7 @@ class SparseManager:
         already written through to the host)."""
         b = cached // self.block_size
         if cached % self.block_size == 0:
-            ws.blocks[:, :, ws.window_position(b)] = b
+            ws.blocks[:, :, ws.position(b)] = b
 
     def update_summaries(self, ws: WorkingSet, layer: int, key: torch.Tensor, cached: int) -> None:
         """key: [H, D] post-RoPE key of the token added at position `cached`."""

@@ -87,7 +87,10 @@ def step_tables_torch(cached, active, pages, resident, summary_offset, num_heads
     # Every slot in walking order (sinks, dynamic by slot, window oldest first), and which
     # hold a block; valid slots move to the front in that order (a prefix sum, not a sort).
     src = torch.cat([torch.arange(S + K, device=dev).expand(R, S + K), S + K + age_order], 1)
-    valid = torch.cat([torch.ones(L, R, H, S, dtype=torch.bool, device=dev),
+    # A sink holds its block once the block has a token (a prompt shorter than the sinks fills
+    # them as it decodes: the newest token then goes to its sink, the partial block last).
+    sinks = (torch.arange(S, device=dev) * bs)[None, :] < n[:, None]  # [R, S]
+    valid = torch.cat([sinks[None, :, None, :].expand(L, R, H, S),
                        resident[:, :R * H].view(L, R, H, K) >= 0,
                        wvalid[None, :, None, :].expand(L, R, H, W)], -1)
     n_valid = valid.sum(-1, keepdim=True)
@@ -98,7 +101,7 @@ def step_tables_torch(cached, active, pages, resident, summary_offset, num_heads
     tables = (slot_pages * H + heads[None, None, :, None]).int()
     blocks = n_valid[..., 0] - (partial > 0).long()[None, :, None]
     lens = torch.where(active[None, :, None], blocks * bs + partial[None, :, None], 0).int()
-    page = pages.long().gather(1, (S + K + cur % W)[:, None])  # [R, 1]
+    page = pages.long().gather(1, torch.where(cur < S, cur, S + K + cur % W)[:, None])  # [R, 1]: the token's block
     token_slots = torch.where(active[:, None], page * H + heads[None, :], -1).int()
     write_slots = torch.stack([token_slots, torch.full_like(token_slots, -1)], 1).view(2 * R, H)
     write_offsets = torch.stack([partial.int(), torch.zeros_like(partial.int())], 1).view(-1)
@@ -175,7 +178,7 @@ if triton is not None:
         block_at = cur - W + 1 + wi
         wvalid = is_win & (block_at >= win) & ((block_at < cur) | (partial > 0))
         src = tl.where(is_win, S + K + (cur + 1 + wi) % W, j)
-        valid = (j < S)[None, :] | (is_dyn[None, :] & (res >= 0)) | wvalid[None, :]  # [HP, PP]
+        valid = ((j < S) & (j * BS < n))[None, :] | (is_dyn[None, :] & (res >= 0)) | wvalid[None, :]  # [HP, PP]
         valid = valid & in_row[None, :]
         vi = valid.to(tl.int32)
         invalid = ((valid == 0) & in_row[None, :]).to(tl.int32)
@@ -188,7 +191,7 @@ if triton is not None:
         blocks = n_valid - (partial > 0).to(tl.int32)
         tl.store(lens_ptr + at, tl.where(act, blocks * BS + partial, 0), mask=hm)
         if layer == 0:
-            wpage = tl.load(pages_ptr + r * P + S + K + cur % W)
+            wpage = tl.load(pages_ptr + r * P + tl.where(cur < S, cur, S + K + cur % W))  # the token's block
             tl.store(wslot_ptr + (2 * r) * H + h, tl.where(act, wpage * H + h, -1), mask=hm)
             tl.store(wslot_ptr + (2 * r + 1) * H + h, tl.full([HP], -1, tl.int32), mask=hm)
             tl.store(woff_ptr + 2 * r, partial)

@@ -82,6 +82,11 @@ class WorkingSet:
     def dynamic(self) -> slice:
         return slice(self.cfg.sink_blocks, self.cfg.sink_blocks + self.cfg.top_k_blocks)
 
+    def position(self, block: int) -> int:
+        """Where the block lives while it is a sink or in the window: a sink block (one a
+        prompt shorter than the sinks is still filling included) at its own position."""
+        return block if block < self.cfg.sink_blocks else self.window_position(block)
+
     def window_position(self, block: int) -> int:
         c = self.cfg
         return c.sink_blocks + c.top_k_blocks + block % c.window_blocks
@@ -98,5 +103,5 @@ class WorkingSet:
         positions = [self.window_position(b) for b in range(self.window_start(cached, block_size), cur)]
         partial = cached % block_size
         if partial:
-            positions.append(self.window_position(cur))
+            positions.append(self.position(cur))
         return positions, partial
