@@ -101,6 +101,7 @@ def random_step_state(L, R, H, S, K, W, bs, gen):
     cached = torch.randint(0, 40 * bs, (R,), generator=gen, dtype=torch.int32)
     cached[0] = 2 * bs  # the window starts inside the sinks
     cached[1] = 37 * bs  # a block's first token
+    cached[2] = bs // 2  # shorter than one block: its partial block is a sink
     active = torch.rand(R, generator=gen) < 0.8
     active[:2] = True
     pages = torch.stack([torch.randperm(4 * R * P, generator=gen)[:P] for _ in range(R)]).int()
