@@ -23,6 +23,7 @@
 # rpf need about 80 GiB of pinned host memory on the prefill side: the 1-GPU host has 125 GiB.
 # `CASES=... bash scripts/gpu_bench_disagg.sh smoke` runs on CPU at tiny sizes (the default model).
 set -u
+export OASISKV_DISAGG_SECRET=${OASISKV_DISAGG_SECRET:-bench-disagg-secret}  # the roles and the proxy share it
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=.:.gpu_site
@@ -102,7 +103,7 @@ run_case() {  # mode:transport[:gbps]
   env "${env[@]}" $PY "${SERVE[@]}" "${ENGINE[@]}" "${P_FLAGS[@]}" --host-kv-gb "$host_gb" --role prefill \
     --kv-transfer-mode "$mode" --kv-transport "$kt" --port $P_PORT > "$OUT/server_${name}_prefill.log" 2>&1 &
   local ppid=$!
-  env "${env[@]}" $PY "${SERVE[@]}" "${ENGINE[@]}" "${D_FLAGS[@]}" --remote-kv-gb "$remote_gb" --role decode \
+  env "${env[@]}" $PY "${SERVE[@]}" "${ENGINE[@]}" "${D_FLAGS[@]}" --remote-kv-gb "$remote_gb" --role decode --prefill-peers http://127.0.0.1:$P_PORT \
     --kv-transport "$kt" ${gbps:+--rpf-link-gbps "$gbps"} ${DECODE_EXTRA:-} --port $D_PORT > "$OUT/server_${name}_decode.log" 2>&1 &
   local dpid=$!
   $PY -m oasiskv.entrypoints.cli proxy --prefill http://127.0.0.1:$P_PORT --decode http://127.0.0.1:$D_PORT \

@@ -26,6 +26,7 @@ from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.admission import Admission, full_admission
 from oasiskv.disagg.decode_side import RemoteSource, admit, fail_requests
 from oasiskv.disagg.leases import LeaseTable
+from oasiskv.entrypoints.disagg_trust import SECRET_ENV
 from oasiskv.disagg.local_items import LocalItems
 from oasiskv.disagg.prefill_side import hand_over
 from oasiskv.disagg.remote_reads import RemoteReads
@@ -233,9 +234,11 @@ def test_servers_decode_on_the_pipeline():
     engine = ["--max-model-len", "1300", "--sparse", "--top-k-blocks", "8", "--sparse-threshold", "512",
               "--host-kv-gb", "0.1", "--kv-cache-gb", "0.5", "--max-num-seqs", "4", "--disable-log-stats",
               "--kv-transport", "socket"]
+    os.environ.setdefault(SECRET_ENV, "tests-disagg-secret")  # the servers and the proxy share it
     procs = {"prefill": start_server([*engine, "--role", "prefill"], HOST, ports["prefill"], wait=False),
              "decode": start_server([*engine, "--role", "decode", "--sparse-pipeline", "on",
-                                     "--remote-kv-gb", "0.15"], HOST, ports["decode"], wait=False),
+                                     "--remote-kv-gb", "0.15", "--prefill-peers", url["prefill"]], HOST,
+                                    ports["decode"], wait=False),
              "proxy": subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
                                         url["prefill"], "--decode", url["decode"], "--port", str(ports["proxy"]),
                                         "--log-level", "warning"], start_new_session=True)}

@@ -25,6 +25,7 @@ import urllib.request
 import pytest
 
 from oasiskv.disagg.nixl_transport import nixl_available
+from oasiskv.entrypoints.disagg_trust import SECRET_ENV
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
 from server_client import call, free_port, metrics, stream_events
 
@@ -48,10 +49,12 @@ def servers(request):
     engine = [*ENGINE, "--kv-transport", transport]
     ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
     url = {name: f"http://{HOST}:{port}" for name, port in ports.items()}
+    os.environ.setdefault(SECRET_ENV, "tests-disagg-secret")  # the servers and the proxy share it
     procs = {
         "prefill": start_server([*engine, "--role", "prefill", "--kv-lease-ttl", "3"], HOST, ports["prefill"],
                                 wait=False),
-        "decode": start_server([*engine, "--role", "decode", "--rpf-strict"], HOST, ports["decode"], wait=False),
+        "decode": start_server([*engine, "--role", "decode", "--rpf-strict", "--prefill-peers", url["prefill"]],
+                               HOST, ports["decode"], wait=False),
         "proxy": subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
                                    url["prefill"], "--decode", url["decode"], "--port", str(ports["proxy"]),
                                    "--log-level", "warning"], start_new_session=True),

@@ -40,8 +40,10 @@ from oasiskv.sampling_params import SamplingParams
 class DecodeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, transport: Transport, remote_kv_gb: float | None = None,
                  strict: bool = False, link_gbps: float | None = None,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, max_read_bytes: int = DEFAULT_MAX_READ_BYTES):
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+                 peer_headers: dict[str, str] | None = None):
         """remote_kv_gb: the arena for admitted requests' items (default: --host-kv-gb);
+        peer_headers: sent with every lease call to a prefill peer (the inter-role secret);
         link_gbps: the remote reads' byte budget per step is what this link carries during
         the previous decode step (None: no budget); max_read_bytes: the size of a full
         transfer's reads."""
@@ -60,7 +62,7 @@ class DecodeEngine(LLMEngine):
         self.max_read_bytes = max_read_bytes
         self._transfers: dict[str, FullTransfer] = {}  # request id -> its full transfer, until admitted
         self.name = f"decode-{uuid.uuid4().hex[:12]}"
-        self.heartbeats = LeaseHeartbeats(self.name)
+        self.heartbeats = LeaseHeartbeats(self.name, headers=peer_headers)
         self._incoming: dict[str, tuple[Admission, str]] = {}  # request id -> (admission, prefill url)
         self._waiting: list[tuple[Admission, str, str, SamplingParams]] = []  # no room yet
         self._peers: dict[str, str] = {}  # transport metadata -> transport peer name

@@ -27,17 +27,18 @@ class Lost:
     unreachable: bool  # the peer did not answer (else: it no longer holds the lease)
 
 
-def post_json(url: str, body: dict, timeout_s: float) -> dict:
+def post_json(url: str, body: dict, timeout_s: float, headers: dict[str, str] | None = None) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
 
 
 class LeaseHeartbeats:
-    def __init__(self, name: str, timeout_s: float = 2.0):
-        """name: this decode instance, as the prefill's LeaseTable knows it."""
-        self.name, self.timeout_s = name, timeout_s
+    def __init__(self, name: str, timeout_s: float = 2.0, headers: dict[str, str] | None = None):
+        """name: this decode instance, as the prefill's LeaseTable knows it; headers: sent with
+        every call (the inter-role secret)."""
+        self.name, self.timeout_s, self.headers = name, timeout_s, headers or {}
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._lost: queue.SimpleQueue = queue.SimpleQueue()
         self._unreachable: set[str] = set()
@@ -86,7 +87,8 @@ class LeaseHeartbeats:
                     releases.setdefault(url, []).append(rid)
             for url, ids in releases.items():
                 try:
-                    post_json(f"{url}/v1/disagg/release", {"peer": self.name, "request_ids": ids}, self.timeout_s)
+                    post_json(f"{url}/v1/disagg/release", {"peer": self.name, "request_ids": ids}, self.timeout_s,
+                              self.headers)
                     self.releases_sent += len(ids)
                 except OSError:  # gone: its leases lapse on their own
                     pass
@@ -98,7 +100,7 @@ class LeaseHeartbeats:
     def _heartbeat(self, url: str, request_ids: list[str]) -> list[str]:
         try:
             return post_json(f"{url}/v1/disagg/heartbeat", {"peer": self.name, "request_ids": request_ids},
-                             self.timeout_s)["lost"]
+                             self.timeout_s, self.headers)["lost"]
         except Exception:
             self._unreachable.add(url)
             raise

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from oasiskv.config import EngineConfig
+from oasiskv.entrypoints.disagg_trust import secret_headers
 
 ROLES = ("both", "prefill", "decode")
 
@@ -35,6 +36,12 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
                         "predicted block)")
     g.add_argument("--remote-kv-gb", type=float, default=None,
                    help="decode role: host memory for admitted requests' blocks (default: --host-kv-gb)")
+    g.add_argument("--disagg-secret", default=None, metavar="SECRET",
+                   help="the secret the proxy and the role servers share (default: $OASISKV_DISAGG_SECRET); "
+                        "without it a role server takes no kv_transfer_params (docs/disaggregation.md, Security)")
+    g.add_argument("--prefill-peers", default=None, type=lambda s: [u for u in s.split(",") if u.strip()],
+                   metavar="URL[,URL...]", help="decode role: the prefill servers it may read KV from, as the "
+                   "proxy names them (its --prefill URLs); no other host is ever contacted")
     g.add_argument("--kv-lease-ttl", type=float, default=10.0,
                    help="prefill role: seconds a handed-over request's KV stays without a heartbeat "
                         "from its decode server")
@@ -66,7 +73,7 @@ def make_transport(kind: str, host: str):
     return SocketTransport(host=host)
 
 
-def make_engine(args: argparse.Namespace, config: EngineConfig, url: str):
+def make_engine(args: argparse.Namespace, config: EngineConfig, url: str, secret: str | None = None):
     """The LLMEngine of the server's role."""
     from oasiskv.engine.llm_engine import LLMEngine
     role = getattr(args, "role", "both")
@@ -80,4 +87,5 @@ def make_engine(args: argparse.Namespace, config: EngineConfig, url: str):
     from oasiskv.disagg.decode_engine import DecodeEngine
     config = dataclasses.replace(config, rpf_want_per_head=getattr(args, "rpf_want_per_head", None))
     config.want_per_head()  # a bad value fails here, before the model loads
-    return DecodeEngine(config, transport, args.remote_kv_gb, args.rpf_strict, args.rpf_link_gbps)
+    return DecodeEngine(config, transport, args.remote_kv_gb, args.rpf_strict, args.rpf_link_gbps,
+                        peer_headers=secret_headers(secret))

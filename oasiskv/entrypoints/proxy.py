@@ -8,20 +8,27 @@ it answers with (its `remote_url` set to the prefill's address as this proxy rea
 the original request to the next decode server, whose answer (JSON or server-sent events) is
 passed on as it comes. GET /metrics is the first decode server's. An error of either server is passed on with its status; a server that
 cannot be reached is a 502, as is a decode stream that breaks off (then as an error event).
+
+With --api-key the /v1 routes need `Authorization: Bearer <key>`. Every call to a role server
+carries the inter-role secret (--disagg-secret, `disagg_trust`) and the client's Authorization
+header. GET /health is 503 while a prefill or decode server does not answer its own /health.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
+import os
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from oasiskv.entrypoints.disagg_trust import disagg_secret, secret_headers
 from oasiskv.entrypoints.openai.protocol import error_body
 
 log = logging.getLogger("oasiskv.proxy")
@@ -41,7 +48,8 @@ def prefill_body(body: dict) -> dict:
     return out
 
 
-def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
+def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = None,
+                secret: str | None = None) -> FastAPI:
     prefill = [u.rstrip("/") for u in prefill]
     decode = [u.rstrip("/") for u in decode]
     next_prefill, next_decode = itertools.cycle(prefill), itertools.cycle(decode)
@@ -68,7 +76,25 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
         finally:  # the client went away or the stream ended: the decode server sees the close
             response.close()
 
+    def unauthorized(raw: Request) -> JSONResponse | None:
+        given = raw.headers.get("authorization", "")
+        if api_key is None or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return None
+        return JSONResponse(error_body("missing or wrong API key: send `Authorization: Bearer <key>`",
+                                       "authentication_error", code="invalid_api_key"), status_code=401,
+                            headers={"www-authenticate": "Bearer"})
+
+    def role_headers(raw: Request) -> dict[str, str]:
+        """What a call to a role server carries: the inter-role secret, the client's key."""
+        out = secret_headers(secret)
+        if "authorization" in raw.headers:
+            out["Authorization"] = raw.headers["authorization"]
+        return out
+
     async def generate(path: str, raw: Request):
+        denied = unauthorized(raw)
+        if denied is not None:
+            return denied
         try:
             body = await raw.json()
         except ValueError:
@@ -78,7 +104,7 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
         session: aiohttp.ClientSession = state["session"]
         p_url, d_url = next(next_prefill), next(next_decode)
         try:
-            async with session.post(p_url + path, json=prefill_body(body)) as r:
+            async with session.post(p_url + path, json=prefill_body(body), headers=role_headers(raw)) as r:
                 answer = await r.json(content_type=None)
                 status = r.status
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
@@ -90,7 +116,8 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
             return bad_gateway(f"the prefill server {p_url} handed nothing over (is it started with --role prefill?)")
         transfer = {**transfer, "remote_url": p_url}
         try:
-            response = await session.post(d_url + path, json={**body, "kv_transfer_params": transfer})
+            response = await session.post(d_url + path, json={**body, "kv_transfer_params": transfer},
+                                          headers=role_headers(raw))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return bad_gateway(f"the decode server {d_url} cannot be reached ({type(e).__name__}: {e})")
         if response.status != 200 or not body.get("stream"):
@@ -112,9 +139,12 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
         return await generate("/v1/chat/completions", raw)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(raw: Request):
+        denied = unauthorized(raw)
+        if denied is not None:
+            return denied
         try:
-            async with state["session"].get(decode[0] + "/v1/models") as r:
+            async with state["session"].get(decode[0] + "/v1/models", headers=role_headers(raw)) as r:
                 return JSONResponse(await r.json(content_type=None), status_code=r.status)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             return bad_gateway(f"the decode server {decode[0]} failed ({type(e).__name__})")
@@ -130,7 +160,17 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return JSONResponse({"prefill": prefill, "decode": decode})
+        """503 unless every prefill and decode server answers its /health."""
+        async def up(url: str) -> bool:
+            try:
+                async with state["session"].get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    return r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return False
+        servers = prefill + decode
+        status = dict(zip(servers, await asyncio.gather(*(up(u) for u in servers))))
+        body = {"prefill": {u: status[u] for u in prefill}, "decode": {u: status[u] for u in decode}}
+        return JSONResponse(body, status_code=200 if all(status.values()) else 503)
 
     return app
 
@@ -138,6 +178,8 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
 def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_proxy(args.prefill, args.decode), host=args.host, port=args.port,
+    api_key = args.api_key or os.environ.get("OASISKV_API_KEY") or None
+    app = build_proxy(args.prefill, args.decode, api_key, disagg_secret(args.disagg_secret))
+    uvicorn.run(app, host=args.host, port=args.port,
                 log_level=args.log_level, access_log=False)
     return 0

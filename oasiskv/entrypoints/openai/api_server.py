@@ -30,6 +30,7 @@ from oasiskv.engine.stat_logger import StatLogger
 from oasiskv.entrypoints.metrics import ServerMetrics
 from oasiskv.entrypoints.openai.choice import ServerStopping
 from oasiskv.entrypoints.openai.cli_args import served_model_name
+from oasiskv.entrypoints.disagg_trust import disagg_secret
 from oasiskv.entrypoints.openai.disagg_serving import add_prefill_routes, disagg_role, start_reaper
 from oasiskv.entrypoints.openai.guard import Draining, RequestGuard
 from oasiskv.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -60,8 +61,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, api_key: str | None = None,
               max_request_bytes: int = 4 << 20, body_timeout: float = 30.0,
-              draining: Draining | None = None, role: str = "both") -> FastAPI:
-    serving = OpenAIServing(engine, model_name, disagg_role(role, engine))
+              draining: Draining | None = None, role: str = "both", disagg_secret: str | None = None,
+              prefill_peers: list[str] | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, model_name, disagg_role(role, engine, disagg_secret, prefill_peers))
     draining = draining or Draining()
     engine.engine.detokenize = False  # text and stop strings are the front end's (choice.py)
 
@@ -75,7 +77,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, a
     app = FastAPI(title="OasisKV", lifespan=lifespan)
     app.state.serving, app.state.draining = serving, draining
     app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes, body_timeout=body_timeout,
-                       api_key=api_key, draining=draining)
+                       api_key=api_key, draining=draining, disagg_secret=disagg_secret, role=role)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -205,13 +207,15 @@ def run_server(args: argparse.Namespace) -> int:
     stats = None if args.disable_log_stats else StatLogger(args.log_stats_interval)
     role = getattr(args, "role", "both")
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-    engine = AsyncEngine(make_engine(args, engine_config(args), url), metrics, on_death=on_engine_death,
+    secret = disagg_secret(getattr(args, "disagg_secret", None))
+    engine = AsyncEngine(make_engine(args, engine_config(args), url, secret), metrics, on_death=on_engine_death,
                          stat_logger=stats)
     if role == "prefill":
         start_reaper(engine)
     api_key = args.api_key or os.environ.get("OASISKV_API_KEY") or None
     app = build_app(engine, metrics, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
-                    body_timeout=args.body_timeout, role=role)
+                    body_timeout=args.body_timeout, role=role, disagg_secret=secret,
+                    prefill_peers=getattr(args, "prefill_peers", None))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -7,6 +7,8 @@ A request's `kv_transfer_params` (vLLM's field) says what to do with it:
   decode role, those parameters: fetch the admission from `remote_url`, admit it, decode.
 Either role serves a request without them as a colocated server does.
 
+Every call between the roles carries the inter-role secret, which the request guard checks
+(`disagg_trust`); a decode server fetches only from its `--prefill-peers`.
 The prefill's routes for its decode peers: GET /v1/disagg/admissions/{id}?peer=NAME (the
 admission, once, as safetensors bytes; the peer takes the lease), POST /v1/disagg/heartbeat and
 POST /v1/disagg/release (`{"peer", "request_ids"}`).
@@ -23,6 +25,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from oasiskv.disagg.admission import Admission
+from oasiskv.entrypoints.disagg_trust import peer_url, secret_headers
 from oasiskv.entrypoints.openai.protocol import APIError
 
 ADMISSION_TIMEOUT_S = 600.0  # an RPF admission of a long request holds its working set's KV
@@ -53,19 +56,25 @@ class PrefillRole:
 
 
 class DecodeRole:
-    def __init__(self, async_engine):
+    def __init__(self, async_engine, secret: str | None = None, prefill_peers: list[str] | None = None):
+        """prefill_peers: the prefill servers it may read from (`--prefill-peers`); none, none."""
         self.async_engine = async_engine
         self.engine = async_engine.engine  # DecodeEngine
+        self.secret = secret
+        self.peers = {peer_url(u) for u in prefill_peers or ()}
 
     async def prepare(self, request_id: str, params: dict, stream: bool) -> None:
         url, remote_id = params.get("remote_url"), params.get("remote_request_id")
         if not isinstance(url, str) or not isinstance(remote_id, str):
             raise APIError(400, "a decode server takes the `kv_transfer_params` a prefill server answered with "
                                 "(remote_url, remote_request_id)", param="kv_transfer_params")
-        url = url.rstrip("/")
+        url = peer_url(url)
+        if url not in self.peers:  # never contacted: peers are configured, not requested
+            raise APIError(403, f"{url} is not one of this decode server's prefill peers (--prefill-peers)",
+                           type="permission_error", param="kv_transfer_params")
         try:
             timeout = aiohttp.ClientTimeout(total=ADMISSION_TIMEOUT_S, sock_connect=5)
-            async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with aiohttp.ClientSession(timeout=timeout, headers=secret_headers(self.secret)) as session:
                 async with session.get(f"{url}/v1/disagg/admissions/{remote_id}",
                                        params={"peer": self.engine.name}) as r:
                     data = await r.read()
@@ -127,6 +136,8 @@ def start_reaper(async_engine, interval_s: float = REAP_INTERVAL_S) -> None:
     threading.Thread(target=loop, name="lease-reaper", daemon=True).start()
 
 
-def disagg_role(role: str, async_engine):
+def disagg_role(role: str, async_engine, secret: str | None = None, prefill_peers: list[str] | None = None):
     """The serving side of a role server (None for `both`)."""
-    return {"prefill": PrefillRole, "decode": DecodeRole}.get(role, lambda _: None)(async_engine)
+    if role == "prefill":
+        return PrefillRole(async_engine)
+    return DecodeRole(async_engine, secret, prefill_peers) if role == "decode" else None
