@@ -222,3 +222,19 @@ def test_prefill_killed_mid_decode(servers):
     assert d["oasiskv:disagg_leases_held"] == 0
     status, out = call(url["proxy"], "/v1/completions", {"prompt": ids[:100], "max_tokens": 2})
     assert status == 502 and "prefill" in out["error"]["message"]  # no prefill server left
+
+
+SHORT_LENGTHS = list(range(1, 41)) + [47, 48, 49, 63, 64, 65, 127, 128, 129, 199, 200]
+
+
+def test_every_short_prompt_length_equals_colocated(servers):
+    """Prompts shorter than a block (the partial block is a sink) and around block boundaries:
+    through the proxy (strict RPF) the greedy tokens equal the decode server's colocated run."""
+    url, ids = servers["url"], servers["ids"]
+    bad = []
+    for n in SHORT_LENGTHS:
+        local = complete(url["decode"], ids[:n], max_tokens=12)
+        proxied = complete(url["proxy"], ids[:n], max_tokens=12)
+        if proxied["text"] != local["text"] or proxied["logprobs"]["tokens"] != local["logprobs"]["tokens"]:
+            bad.append(n)
+    assert not bad, f"prompt lengths whose proxied tokens differ from colocated: {bad}"
