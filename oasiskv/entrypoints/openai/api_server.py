@@ -149,16 +149,16 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, a
         if req.messages is not None:
             text = await serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
                                              req.chat_template_kwargs)
-            ids = await serving.encode(text, "messages", must_fit=False)  # the template holds the special tokens
+            ids = await serving.encode(text, "messages", must_fit=False, utility=True)  # the template holds the specials
         else:  # clients such as lm-eval tokenize long texts and truncate them themselves
-            ids = await serving.encode(req.prompt, "prompt", req.add_special_tokens, must_fit=False)
+            ids = await serving.encode(req.prompt, "prompt", req.add_special_tokens, must_fit=False, utility=True)
         strs = [serving.tokenizer.convert_ids_to_tokens(t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
-        return {"prompt": await serving.decode(req.tokens)}
+        return {"prompt": await serving.decode(req.tokens, utility=True)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

@@ -7,6 +7,7 @@ A request whose client goes away is aborted at once, so its pages and host exten
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -75,8 +76,13 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.runner.model_config.vocab_size
         self.tokenizer = engine.engine.tokenizer
-        # One worker: HF tokenizers are not safe to call from several threads at once.
+        # One worker: HF tokenizers are not safe to call from several threads at once. The
+        # tokenizer routes (/tokenize, /detokenize: open, and fed whole documents by evaluation
+        # tools) take a copy of their own on a worker of their own, so they never queue ahead of
+        # a generation request's prompt.
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="oasiskv-tokenizer")
+        self.utility_tokenizer = copy.deepcopy(self.tokenizer)
+        self.utility_pool = ThreadPoolExecutor(1, thread_name_prefix="oasiskv-tokenizer-routes")
         # The longest text one token can stand for: a text longer than max_model_len of them
         # cannot fit, and is refused without spending the tokenizer's time on it.
         self.max_token_chars = max((len(t) for t in self.tokenizer.convert_ids_to_tokens(
@@ -164,8 +170,9 @@ class OpenAIServing:
             raise APIError(400, message, param=param, code="invalid_value") from None
 
     # ---- tokenizing, off the event loop and off the engine thread --------------------------
-    async def _in_pool(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+    async def _in_pool(self, fn, *args, utility: bool = False):
+        pool = self.utility_pool if utility else self.tokenizer_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def _need_tokenizer(self, param: str):
         if self.tokenizer is None:
@@ -173,21 +180,24 @@ class OpenAIServing:
         return self.tokenizer
 
     async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = False,
-                     must_fit: bool = True) -> list[int]:
-        """Token ids; with `must_fit`, a text too long for the model is a 400 before any tokenizing."""
+                     must_fit: bool = True, utility: bool = False) -> list[int]:
+        """Token ids; with `must_fit`, a text too long for the model is a 400 before any tokenizing;
+        `utility`: for the tokenizer routes (their own tokenizer and worker)."""
         tok = self._need_tokenizer(param)
+        tok = self.utility_tokenizer if utility else tok
         if must_fit and len(text) > self.max_model_len * self.max_token_chars:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
                                 f"{len(text)} characters of the {param} cannot fit in it.",
                            param=param, code="context_length_exceeded")
-        return await self._in_pool(lambda: tok.encode(text, add_special_tokens=add_special_tokens))
+        return await self._in_pool(lambda: tok.encode(text, add_special_tokens=add_special_tokens), utility=utility)
 
-    async def decode(self, ids: list[int]) -> str:
+    async def decode(self, ids: list[int], utility: bool = False) -> str:
         if self.tokenizer is None:
             return ""
         if any(t >= self.vocab_size for t in ids):
             raise APIError(400, f"token ids must be below {self.vocab_size}", param="tokens")
-        return await self._in_pool(lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
+        tok = self.utility_tokenizer if utility else self.tokenizer
+        return await self._in_pool(lambda: tok.decode(ids, skip_special_tokens=True), utility=utility)
 
     async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
