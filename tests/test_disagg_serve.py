@@ -238,3 +238,28 @@ def test_every_short_prompt_length_equals_colocated(servers):
         if proxied["text"] != local["text"] or proxied["logprobs"]["tokens"] != local["logprobs"]["tokens"]:
             bad.append(n)
     assert not bad, f"prompt lengths whose proxied tokens differ from colocated: {bad}"
+
+
+def test_proxy_speaks_the_openai_surface(servers):
+    """n > 1, prompt lists, echo with logprobs (with and without new tokens) and the tokenizer
+    and version routes through the proxy answer as the decode server does colocated."""
+    url, ids = servers["url"], servers["ids"]
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cases = [{"prompt": ids[:40], "n": 2}, {"prompt": [ids[:30], ids[30:75]]},
+             {"prompt": ids[:50], "echo": True, "logprobs": 1}, {"prompt": ids[:50], "echo": True, "logprobs": 1,
+                                                                  "max_tokens": 0}]
+    for case in cases:
+        body = {**base, **case}
+        s1, local = call(url["decode"], "/v1/completions", body, timeout=600)
+        s2, proxied = call(url["proxy"], "/v1/completions", body, timeout=600)
+        assert s1 == s2 == 200, (case, local, proxied)
+        assert [c["text"] for c in proxied["choices"]] == [c["text"] for c in local["choices"]], case
+        if case.get("logprobs") is not None:
+            a, b = local["choices"][0]["logprobs"], proxied["choices"][0]["logprobs"]
+            assert a["tokens"] == b["tokens"] and a["text_offset"] == b["text_offset"]
+            for x, y in zip(a["token_logprobs"], b["token_logprobs"]):
+                assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-3)
+        assert proxied["usage"]["prompt_tokens"] == local["usage"]["prompt_tokens"]
+    for path, body in (("/tokenize", {"prompt": "hello there"}), ("/detokenize", {"tokens": ids[:5]})):
+        assert call(url["proxy"], path, body) == call(url["decode"], path, body)
+    assert call(url["proxy"], "/version") == call(url["decode"], "/version")

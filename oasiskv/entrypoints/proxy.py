@@ -48,6 +48,80 @@ def prefill_body(body: dict) -> dict:
     return out
 
 
+def split(body: dict) -> list[tuple[dict, tuple]]:
+    """A request of several prompts or choices as single ones (prompt-major, choice-minor), each
+    `n` 1, with its group (prompt index, n, best_of, logprobs asked) for `merge`; best_of keeps
+    the n best by cumulative logprob."""
+    prompts = body.get("prompt")
+    many = isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))
+    prompts = prompts if many else [prompts]
+    n = body.get("n") or 1
+    best_of = body.get("best_of") or n
+    if len(prompts) == 1 and best_of == 1:
+        return [(body, None)]
+    one = {k: v for k, v in body.items() if k not in ("n", "best_of")}
+    if best_of > n:
+        one["logprobs"] = one.get("logprobs") if one.get("logprobs") is not None else 0
+    seed = body.get("seed")
+    return [({**one, **({"prompt": p} if "prompt" in body else {}), **({"seed": seed + j} if seed is not None else {})},
+             (i, n, best_of, body.get("logprobs")))
+            for i, p in enumerate(prompts) for j in range(best_of)]
+
+
+def merge(answers: list[JSONResponse], groups_of: list[tuple]) -> JSONResponse:
+    """Single answers back into one (`split`'s order): the first error as it is; else the choices
+    renumbered, the n best of each prompt's best_of, usage summed."""
+    bodies = []
+    for a in answers:
+        if a.status_code != 200:
+            return a
+        bodies.append(json.loads(a.body))
+    groups: dict[int, list] = {}
+    for b, (i, n, best_of, logprobs) in zip(bodies, groups_of):
+        groups.setdefault(i, []).append((b["choices"][0], n, best_of, logprobs))
+    choices = []
+    for i in sorted(groups):
+        group = groups[i]
+        n, best_of, logprobs = group[0][1], group[0][2], group[0][3]
+        picked = [c for c, *_ in group]
+        if best_of > n:
+            picked = sorted(picked, key=lambda c: sum(x for x in (c.get("logprobs") or {}).get("token_logprobs") or []
+                                                      if x is not None), reverse=True)[:n]
+            if logprobs is None:
+                picked = [{**c, "logprobs": None} for c in picked]
+        choices += picked
+    out = {**bodies[0], "choices": [{**c, "index": k} for k, c in enumerate(choices)]}
+    usage = [b.get("usage") or {} for b in bodies]
+    first = {g[0]: u for u, g in reversed(list(zip(usage, groups_of)))}  # each prompt's first answer
+    prompt_tokens = sum(u.get("prompt_tokens", 0) for u in first.values())  # once per prompt
+    completion = sum(u.get("completion_tokens", 0) for u in usage)
+    out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion}
+    out.pop("kv_transfer_params", None)
+    return JSONResponse(out)
+
+
+def with_prompt(answer: dict, prefilled: dict) -> dict:
+    """A completion decoded without echo, given the prompt's text and logprobs from the prefill
+    server's echo (its choice: the prompt, then its one token, which decode's first token is)."""
+    if not answer.get("choices") or not prefilled.get("choices"):
+        return answer
+    pre, dec = prefilled["choices"][0], answer["choices"][0]
+    plp, dlp = pre.get("logprobs"), dec.get("logprobs")
+    if plp is None or dlp is None:
+        return answer
+    keep = len(plp["tokens"]) - 1  # the prompt's entries; the last is the token decode repeats
+    prompt_text = pre["text"][:plp["text_offset"][keep]]
+    shift = len(prompt_text)
+    merged = {
+        "tokens": plp["tokens"][:keep] + dlp["tokens"],
+        "token_logprobs": plp["token_logprobs"][:keep] + dlp["token_logprobs"],
+        "top_logprobs": (plp.get("top_logprobs") or [None] * len(plp["tokens"]))[:keep] + (dlp.get("top_logprobs") or []),
+        "text_offset": plp["text_offset"][:keep] + [o + shift for o in dlp["text_offset"]],
+    }
+    return {**answer, "choices": [{**dec, "text": prompt_text + dec["text"], "logprobs": merged}]}
+
+
 def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = None,
                 secret: str | None = None) -> FastAPI:
     prefill = [u.rstrip("/") for u in prefill]
@@ -101,12 +175,26 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
             return JSONResponse(error_body("the body is not valid JSON", code="invalid_json"), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+        if body.get("echo") and body.get("max_tokens") == 0:  # the prompt's logprobs alone: one server
+            return await forward(raw, "POST", path, next(next_prefill), body)
+        parts = split(body)
+        if len(parts) > 1:
+            if body.get("stream"):
+                return JSONResponse(error_body("through the proxy, `n` > 1, `best_of` and prompt lists are not "
+                                               "streamed", param="stream"), status_code=400)
+            answers = await asyncio.gather(*(one(path, raw, part) for part, _ in parts))
+            return merge(answers, [group for _, group in parts])
+        return await one(path, raw, body)
+
+    async def one(path: str, raw: Request, body: dict):
+        """One prompt, one choice: prefill (hand-over), then decode."""
         session: aiohttp.ClientSession = state["session"]
         p_url, d_url = next(next_prefill), next(next_decode)
         try:
             async with session.post(p_url + path, json=prefill_body(body), headers=role_headers(raw)) as r:
                 answer = await r.json(content_type=None)
                 status = r.status
+                prefilled = answer
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             return bad_gateway(f"the prefill server {p_url} failed ({type(e).__name__}: {e})")
         if status != 200:
@@ -115,9 +203,10 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
         if not transfer:
             return bad_gateway(f"the prefill server {p_url} handed nothing over (is it started with --role prefill?)")
         transfer = {**transfer, "remote_url": p_url}
+        echo = bool(body.get("echo"))  # the prompt and its logprobs are the prefill's: decode without echo
+        decode_body = {**body, "kv_transfer_params": transfer, **({"echo": False} if echo else {})}
         try:
-            response = await session.post(d_url + path, json={**body, "kv_transfer_params": transfer},
-                                          headers=role_headers(raw))
+            response = await session.post(d_url + path, json=decode_body, headers=role_headers(raw))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return bad_gateway(f"the decode server {d_url} cannot be reached ({type(e).__name__}: {e})")
         if response.status != 200 or not body.get("stream"):
@@ -127,8 +216,18 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
                 return bad_gateway(f"the decode server {d_url} failed ({type(e).__name__}: {e})")
             finally:
                 response.release()
+            if echo and response.status == 200:
+                answer = with_prompt(answer, prefilled)
             return JSONResponse(answer, status_code=response.status)
         return StreamingResponse(relay(response), media_type="text/event-stream")
+
+    async def forward(raw: Request, method: str, path: str, base: str, body: dict | None = None):
+        """The request as it came, to one role server, its answer as it is."""
+        try:
+            async with state["session"].request(method, base + path, json=body, headers=role_headers(raw)) as r:
+                return Response(await r.read(), status_code=r.status, media_type=r.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return bad_gateway(f"the server {base} failed ({type(e).__name__})")
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -148,6 +247,22 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
                 return JSONResponse(await r.json(content_type=None), status_code=r.status)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             return bad_gateway(f"the decode server {decode[0]} failed ({type(e).__name__})")
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await forward(raw, "POST", "/tokenize", decode[0], await raw.json())
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return await forward(raw, "POST", "/detokenize", decode[0], await raw.json())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(raw: Request):
+        return await forward(raw, "GET", "/tokenizer_info", decode[0])
+
+    @app.get("/version")
+    async def version(raw: Request):
+        return await forward(raw, "GET", "/version", decode[0])
 
     @app.get("/metrics")
     async def decode_metrics():
