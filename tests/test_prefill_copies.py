@@ -22,7 +22,7 @@ class ExtentIsItems:
 def prompt_seq(num_tokens: int, pages: list[int]) -> SimpleNamespace:
     return SimpleNamespace(host_extent=torch.zeros(L, len(pages), H, 2, BS, D), sparse=None, pages=pages,
                            num_cached_tokens=0, num_tokens=num_tokens, prefill_blocks_on_host=0,
-                           prefill_copied_to=0)
+                           prefill_copied_to=0, streamed=False)
 
 
 def blocks_of(kv, pages):
@@ -75,12 +75,12 @@ def test_chunked_prompt_converts_with_every_block_on_the_host(monkeypatch):
     checked = []
     convert = SparseManager.convert
 
-    def checking_convert(self, seq, last_q, pages):
+    def checking_convert(self, seq, last_q, pages, summary_run):
         nb = -(-seq.num_cached_tokens // self.block_size)
         on_host_before = seq.prefill_blocks_on_host
         slots = (torch.tensor(seq.pages[:nb])[:, None] * self.Hkv + torch.arange(self.Hkv)).flatten()
         want = self.kv[:, slots].reshape(self.L, nb, self.Hkv, *self.kv.shape[2:]).clone()
-        convert(self, seq, last_q, pages)
+        convert(self, seq, last_q, pages, summary_run)
         got = self.host.extent_items(seq.host_extent)[:, :nb]
         checked.append((on_host_before, nb, torch.equal(got, want)))
 
