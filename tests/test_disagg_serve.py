@@ -25,7 +25,7 @@ import urllib.request
 import pytest
 
 from oasiskv.disagg.nixl_transport import nixl_available
-from oasiskv.entrypoints.disagg_trust import SECRET_ENV
+from oasiskv.entrypoints.disagg_trust import SECRET_ENV, SECRET_HEADER
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
 from server_client import call, free_port, metrics, stream_events
 
@@ -187,43 +187,6 @@ def test_client_gone_mid_decode_frees_both_sides(servers):
     assert pools_drain(url) == (0, 0, 0)
 
 
-def test_prefill_killed_mid_decode(servers):
-    """After two streamed tokens the prefill server is killed: an error event within 5 s, the
-    request's memory freed on the decode side, which then serves a request of its own."""
-    url, ids = servers["url"], servers["ids"]
-    body = {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(url["proxy"] + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    events, killed, error_after = 0, None, None
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
-            if "error" in event:
-                error_after = time.monotonic() - killed
-                message = event["error"]["message"]
-                continue
-            events += 1
-            if events == 2:
-                os.killpg(servers["procs"]["prefill"].pid, signal.SIGKILL)
-                killed = time.monotonic()
-    print(f"prefill killed after 2 token events ({events} in all); the client's error {error_after:.2f} s later")
-    assert error_after is not None and error_after < 5.0 and "prefill" in message
-    assert call(url["decode"], "/health")[0] == 200
-    after = complete(url["decode"], ids[:200], max_tokens=4)
-    assert len(after["logprobs"]["tokens"]) == 4
-    d = metrics(url["decode"])
-    assert d["oasiskv:disagg_host_bytes_used"] == 0 and d["oasiskv:disagg_failed_requests_total"] == 1
-    assert d["oasiskv:disagg_leases_held"] == 0
-    status, out = call(url["proxy"], "/v1/completions", {"prompt": ids[:100], "max_tokens": 2})
-    assert status == 502 and "prefill" in out["error"]["message"]  # no prefill server left
-
-
 SHORT_LENGTHS = list(range(1, 41)) + [47, 48, 49, 63, 64, 65, 127, 128, 129, 199, 200]
 
 
@@ -263,3 +226,83 @@ def test_proxy_speaks_the_openai_surface(servers):
     for path, body in (("/tokenize", {"prompt": "hello there"}), ("/detokenize", {"tokens": ids[:5]})):
         assert call(url["proxy"], path, body) == call(url["decode"], path, body)
     assert call(url["proxy"], "/version") == call(url["decode"], "/version")
+
+
+def test_fuzz_role_servers_and_proxy(servers):
+    """Malformed and hostile requests to the proxy and both role servers (bounded: a few hundred,
+    seconds): every answer a 4xx, the servers healthy after, nothing held (socket transport)."""
+    if servers["transport"] != "socket":
+        pytest.skip("fuzzed once, on the socket transport")
+    import random
+    url, ids = servers["url"], servers["ids"]
+    rng = random.Random(7)
+    secret = {SECRET_HEADER: os.environ[SECRET_ENV]}
+    values = [None, -1, 0, 1.5, 10**12, "x", "", [], {}, [1, "a"], {"a": 1}, True, float("nan"), "\udcff"]
+    fields = ["prompt", "n", "best_of", "echo", "logprobs", "stream", "temperature", "messages",
+              "kv_transfer_params", "seed", "stop"]
+    bodies = [b"", b"{", b"[]", b"null", b"\xff\xfe", json.dumps({"prompt": ids[:5]}).encode()[:-1]]
+    for _ in range(120):
+        body = {"prompt": ids[:rng.randint(1, 30)], "max_tokens": 2}
+        for f in rng.sample(fields, rng.randint(1, 3)):
+            body[f] = rng.choice(values)
+        bodies.append(json.dumps(body, allow_nan=True).encode())
+    transfers = [{"do_remote_prefill": True, "remote_url": "http://127.0.0.1:9", "remote_request_id": "x"},
+                 {"do_remote_decode": True, "transfer_mode": "nope"}, {"remote_url": 5}, "str", [1]]
+    for t in transfers:
+        bodies.append(json.dumps({"prompt": ids[:8], "max_tokens": 2, "kv_transfer_params": t}).encode())
+    statuses = []
+    for i, raw in enumerate(bodies):
+        for base in (url["proxy"], url["prefill"], url["decode"]):
+            headers = secret if i % 2 else {}
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                statuses.append((base, path, raw[:60], call(base, path, raw, timeout=60, headers=headers)[0]))
+    for base in (url["proxy"], url["prefill"], url["decode"]):
+        for path in ("/v1/disagg/admissions/x", "/v1/disagg/heartbeat", "/v1/disagg/release", "/tokenize"):
+            statuses.append((base, path, b"GET", call(base, path, timeout=30)[0]))
+            statuses.append((base, path, b"POST junk", call(base, path, b"{junk", timeout=30, headers=secret)[0]))
+    bad = [s for s in statuses if s[3] >= 500 or s[3] < 200]
+    assert not bad, bad[:5]
+    for name in ("prefill", "decode"):
+        assert call(url[name], "/health")[0] == 200
+    assert pools_drain(url) == (0, 0, 0)
+    for name in ("prefill", "decode"):
+        m = metrics(url[name])
+        assert m["oasiskv:num_requests_running"] == 0 and m["oasiskv:num_requests_waiting"] == 0
+
+
+# Last: it kills the prefill server the module shares.
+def test_prefill_killed_mid_decode(servers):
+    """After two streamed tokens the prefill server is killed: an error event within 5 s, the
+    request's memory freed on the decode side, which then serves a request of its own."""
+    url, ids = servers["url"], servers["ids"]
+    body = {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url["proxy"] + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events, killed, error_after = 0, None, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                error_after = time.monotonic() - killed
+                message = event["error"]["message"]
+                continue
+            events += 1
+            if events == 2:
+                os.killpg(servers["procs"]["prefill"].pid, signal.SIGKILL)
+                killed = time.monotonic()
+    print(f"prefill killed after 2 token events ({events} in all); the client's error {error_after:.2f} s later")
+    assert error_after is not None and error_after < 5.0 and "prefill" in message
+    assert call(url["decode"], "/health")[0] == 200
+    after = complete(url["decode"], ids[:200], max_tokens=4)
+    assert len(after["logprobs"]["tokens"]) == 4
+    d = metrics(url["decode"])
+    assert d["oasiskv:disagg_host_bytes_used"] == 0 and d["oasiskv:disagg_failed_requests_total"] == 1
+    assert d["oasiskv:disagg_leases_held"] == 0
+    status, out = call(url["proxy"], "/v1/completions", {"prompt": ids[:100], "max_tokens": 2})
+    assert status == 502 and "prefill" in out["error"]["message"]  # no prefill server left
