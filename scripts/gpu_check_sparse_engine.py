@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -156,6 +157,8 @@ def main():
         name = f"sparse_engine_{os.path.basename(a.model)}_{a.dtype}_{a.prompt_len}{fp8}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(res, f, indent=2)
+    if not (ok and all(pipeline_same) and all(async_same) and overlapped and copies_ok):
+        sys.exit(1)  # a failed check fails the command
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     a = p.parse_args()
     ids = torch.randint(0, 1000, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    page_gb = None
     in_hbm = prefill(a.model, 24, ids, a.max_tokens)
     page_gb = 24 / in_hbm["pool_pages"]
     streamed = prefill(a.model, page_gb * (a.prompt // 16) / 3, ids, a.max_tokens)
@@ -55,6 +54,8 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "streamed_prefill.json"), "w") as f:
             json.dump(res, f, indent=1)
+    if not res["tokens_equal"]:
+        raise SystemExit("FAIL: streamed prefill's tokens differ from in-pool prefill's")
 
 
 if __name__ == "__main__":
