@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.entrypoints.disagg_trust import disagg_secret, secret_headers
-from oasiskv.entrypoints.openai.protocol import error_body
+from oasiskv.entrypoints.openai.protocol import MAX_N, error_body
 
 log = logging.getLogger("oasiskv.proxy")
 CONNECT_TIMEOUT_S = 5.0
@@ -46,6 +46,20 @@ def prefill_body(body: dict) -> dict:
     out["max_tokens"] = 1
     out["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "do_remote_decode": True}
     return out
+
+
+def malformed(body: dict) -> tuple[str, str] | None:
+    """(field, why) for a field the proxy reads that a role server would refuse, else None."""
+    if body.get("kv_transfer_params") is not None and not isinstance(body["kv_transfer_params"], dict):
+        return "kv_transfer_params", "`kv_transfer_params` must be an object"
+    for name in ("n", "best_of", "seed", "max_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return name, f"`{name}` must be an integer"
+    for name in ("n", "best_of"):
+        if not 1 <= (body.get(name) or 1) <= MAX_N:
+            return name, f"`{name}` must be between 1 and {MAX_N}"
+    return None
 
 
 def split(body: dict) -> list[tuple[dict, tuple]]:
@@ -175,6 +189,9 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
             return JSONResponse(error_body("the body is not valid JSON", code="invalid_json"), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+        wrong = malformed(body)
+        if wrong is not None:  # the fields the proxy itself reads; the servers check the rest
+            return JSONResponse(error_body(wrong[1], param=wrong[0]), status_code=400)
         if body.get("echo") and body.get("max_tokens") == 0:  # the prompt's logprobs alone: one server
             return await forward(raw, "POST", path, next(next_prefill), body)
         parts = split(body)
@@ -248,13 +265,20 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             return bad_gateway(f"the decode server {decode[0]} failed ({type(e).__name__})")
 
+    async def forward_body(raw: Request, path: str):
+        try:
+            body = await raw.json()
+        except ValueError:
+            return JSONResponse(error_body("the body is not valid JSON", code="invalid_json"), status_code=400)
+        return await forward(raw, "POST", path, decode[0], body)
+
     @app.post("/tokenize")
     async def tokenize(raw: Request):
-        return await forward(raw, "POST", "/tokenize", decode[0], await raw.json())
+        return await forward_body(raw, "/tokenize")
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
-        return await forward(raw, "POST", "/detokenize", decode[0], await raw.json())
+        return await forward_body(raw, "/detokenize")
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(raw: Request):
