@@ -89,12 +89,12 @@ run_case() {
 #   r48x6k: 48 x (1K in, 6K out)   r24x10k: 24 x (1K, 10K)   r16x16k: 16 x (1K, 16K)
 #   l16x16k: 16 x (16K in, 512 out)   l8x32k: 8 x (32K in, 1K out)
 #   For MODEL=qwen3-32b on one card (KV_GB="": each server takes what the card leaves):
-#   m12x4k: 12 x (4K in, 2K out)   m16x8k: 16 x (8K in, 2K out)
+#   m12x4k: 12 x (4K in, 2K out)   m16x8k: 16 x (8K in, 2K out)   m4x36k: 4 x (36K in, 512 out)
 scenario_load() {  # name -> "prompts input output"
   case $1 in
     r48x6k) echo "48 1024 6144" ;; r24x10k) echo "24 1024 10240" ;; r16x16k) echo "16 1024 16384" ;;
     l16x16k) echo "16 16384 512" ;; l8x32k) echo "8 32768 1024" ;;
-    m12x4k) echo "12 4096 2048" ;; m16x8k) echo "16 8192 2048" ;; *) echo "unknown scenario $1" >&2; return 1 ;;
+    m12x4k) echo "12 4096 2048" ;; m16x8k) echo "16 8192 2048" ;; m4x36k) echo "4 36864 512" ;; *) echo "unknown scenario $1" >&2; return 1 ;;
   esac
 }
 
