@@ -59,7 +59,7 @@ def main() -> None:
     streamed = prefill(a.model, page_gb * (a.prompt // 16) / 3, ids, a.max_tokens)
     res = {"in_hbm": in_hbm, "streamed": streamed, "tokens_equal": in_hbm["tokens"] == streamed["tokens"],
            "rate_ratio": streamed["prefill_tok_s"] / in_hbm["prefill_tok_s"]}
-    print(json.dumps({k: v for k, v in res.items()}, indent=1))
+    print(json.dumps(res, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "streamed_prefill.json"), "w") as f:
             json.dump(res, f, indent=1)

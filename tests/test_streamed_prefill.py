@@ -19,12 +19,7 @@ def prompt_ids(llm, n):
     return llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:n]
 
 
-def host_kv(llm, request_id):
-    """The request's K/V in the host pool, captured when it finishes."""
-    return llm.engine.runner.sparse.host.extent_items(llm.engine.seqs[request_id].host_extent).clone()
-
-
-def run(llm, ids, watch_pages=None):
+def run(llm, ids):
     engine = llm.engine
     rid = engine.add_request(ids, GREEDY)
     seq, kv, held = engine.seqs[rid], None, []

@@ -87,12 +87,10 @@ class BlockManager:
             return None
         run = list(range(end - n, end))
         for p in run:
-            if p in own:
-                self._drop_name(p)
-            else:
+            if p not in own:
                 del self.free_pages[p]
-                self._drop_name(p)
                 self.ref_counts[p] = 1
+            self._drop_name(p)
         return run
 
     def give_back(self, pages: Iterable[int]) -> None:

@@ -193,13 +193,13 @@ class ModelRunner(SparseDecodeMixin):
             budget = self._cuda_kv_budget()
         else:
             budget = CPU_DEFAULT_KV_GB * 2**30
-        self.pipeline_state_bytes = self._pipeline_reserve()
-        budget -= self.pipeline_state_bytes
-        if budget < self.kv_bytes_per_page:
-            raise ValueError(f"the KV budget ({(budget + self.pipeline_state_bytes) / 2**30:.2f} GiB) holds the "
-                             f"sparse pipeline's rows ({self.pipeline_state_bytes / 2**30:.2f} GiB for "
+        rows = self._pipeline_reserve()
+        if budget - rows < self.kv_bytes_per_page:
+            raise ValueError(f"the KV budget ({budget / 2**30:.2f} GiB) holds the "
+                             f"sparse pipeline's rows ({rows / 2**30:.2f} GiB for "
                              f"--max-num-seqs {self.cfg.max_num_seqs} of --max-model-len {self.max_model_len}) and "
                              "no page: raise --kv-cache-gb or lower --max-num-seqs or --max-model-len")
+        budget -= rows
         # Never more than every sequence at full length needs.
         cap = self.cfg.max_num_seqs * self.max_blocks_per_seq
         return max(0, min(int(budget // self.kv_bytes_per_page), cap))
@@ -284,18 +284,19 @@ class ModelRunner(SparseDecodeMixin):
         """One chunk of a prompt longer than the pool, its prefix streamed from the host a layer
         at a time (`sparse.streamed_prefill`); `meta` from `prepare_prefill` keeps its hooks."""
         c0, n = seq.num_cached_tokens, ids.shape[0]
-        chunk = StreamedChunk(self.kv, self.sparse.host, seq, c0, n, self.block_size, self.num_kv_heads)
+        if self.device.type == "cuda" and getattr(self, "streamed_copies", None) is None:
+            self.streamed_copies = torch.cuda.Stream(self.device)  # one copy stream for every streamed chunk
+        chunk = StreamedChunk(self.kv, self.sparse.host, seq, c0, n, self.block_size, self.num_kv_heads,
+                              getattr(self, "streamed_copies", None))
         pos = np.arange(c0, c0 + n, dtype=np.int64)
-        tables, writes = [], []
-        for buffer in range(chunk.buffers):
-            pages = np.array(chunk.pages(buffer), dtype=np.int64)
-            tables.append(prefill_table([PrefillChunk(0, n, c0, pages.tolist())], self.device))
-            writes.append(self._write_locations(pages[pos // self.block_size], pos))
+        chunks = [PrefillChunk(0, n, c0, chunk.pages(buffer)) for buffer in range(chunk.buffers)]
+        tables = [prefill_table([c], self.device) for c in chunks]
+        writes = [self._write_locations(np.array(c.pages, dtype=np.int64)[pos // self.block_size], pos) for c in chunks]
 
         def set_buffer(b: int) -> None:
             meta.prefill_table = tables[b]
             meta.write_slots, meta.write_offsets = writes[b]
-        meta.prefill_chunks = [PrefillChunk(0, n, c0, chunk.pages(0))]
+        meta.prefill_chunks = chunks[:1]
         hidden = self.model(ids, positions, chunk.layers(set_buffer), meta)
         chunk.finish()
         return hidden

@@ -130,7 +130,8 @@ def with_prompt(answer: dict, prefilled: dict) -> dict:
     merged = {
         "tokens": plp["tokens"][:keep] + dlp["tokens"],
         "token_logprobs": plp["token_logprobs"][:keep] + dlp["token_logprobs"],
-        "top_logprobs": (plp.get("top_logprobs") or [None] * len(plp["tokens"]))[:keep] + (dlp.get("top_logprobs") or []),
+        "top_logprobs": ((plp.get("top_logprobs") or [None] * len(plp["tokens"]))[:keep]
+                         + (dlp.get("top_logprobs") or [None] * len(dlp["tokens"]))),
         "text_offset": plp["text_offset"][:keep] + [o + shift for o in dlp["text_offset"]],
     }
     return {**answer, "choices": [{**dec, "text": prompt_text + dec["text"], "logprobs": merged}]}

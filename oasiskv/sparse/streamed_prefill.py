@@ -36,7 +36,9 @@ class StreamedChunk:
     """One streamed chunk's step: tokens [prefix, prefix + length) of `seq`, whose first
     prefix // block_size blocks are in its host extent (prefix is a multiple of block_size)."""
 
-    def __init__(self, kv: torch.Tensor, host, seq, prefix: int, length: int, block_size: int, num_kv_heads: int):
+    def __init__(self, kv: torch.Tensor, host, seq, prefix: int, length: int, block_size: int, num_kv_heads: int,
+                 stream: torch.cuda.Stream | None = None):
+        """stream: the copies' (on CUDA; the caller keeps one for every chunk)."""
         self.kv, self.host, self.seq, self.bs, self.H = kv, host, seq, block_size, num_kv_heads
         assert prefix % block_size == 0
         self.L, self.num_pages = kv.shape[0], kv.shape[1] // num_kv_heads
@@ -48,7 +50,7 @@ class StreamedChunk:
         self.buffers = 2 if self.L > 1 else 1
         assert len(self.run) * self.regions >= self.blocks, "the staging run is too short"
         self.items = host.extent_items(seq.host_extent)  # [L, max_blocks, H, 2, bs, D]
-        self.stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        self.stream = stream
         self.staged: list[torch.cuda.Event | None] = [None] * self.L
 
     def pages(self, buffer: int) -> list[int]:
