@@ -1,4 +1,4 @@
-"""Dense-engine benchmark on the GPU machine, in one process (issue 2's acceptance runs).
+"""Dense-engine benchmark on the GPU machine, in one process: the engine against its HF peer.
 
 PYTHONPATH=. python3 scripts/gpu_bench_dense.py [--quick]
 Runs: the HF transformers peer on the same weights, `bench throughput` 1024/256 x 256 prompts,

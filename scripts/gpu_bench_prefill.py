@@ -1,6 +1,6 @@
 """Long-prompt prefill on the GPU machine: the engine's tokens/s per chunk size, the fraction of
 the bf16 peak, HF transformers' one-pass prefill of the same prompts, and the inter-token latency
-of running decode rows while a long prompt prefills (issue 31).
+of running decode rows while a long prompt prefills.
 
     PYTHONPATH=. python3 scripts/gpu_bench_prefill.py [--parts hf,throughput,itl] [--quick]
 

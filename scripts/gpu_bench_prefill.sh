@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long-prompt prefill on the GPU machine (issue 31): the prefill kernel against its reference at
+# Long-prompt prefill on the GPU machine: the prefill kernel against its reference at
 # real shapes and timed, HF transformers' one-pass prefill, the engine's prefill tokens/s per
 # chunk size and the ITL of decode rows while a 32K prompt prefills. Logs and JSON go to $OUT.
 # Runs from the source tree (the GPU machine has no pip). Parts, any of them, in order:

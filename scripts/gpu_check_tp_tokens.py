@@ -1,4 +1,4 @@
-"""Greedy tokens at tensor-parallel size 2 against size 1, float32, on the GPUs (issue 30).
+"""Greedy tokens at tensor-parallel size 2 against size 1, float32, on the GPUs.
 
 PYTHONPATH=. python3 scripts/gpu_check_tp_tokens.py [--model qwen3-8b] [--prompt-len 4096]
 Dummy weights (every rank slices the same whole checkpoint stream, so both sizes hold the same

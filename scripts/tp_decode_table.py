@@ -1,5 +1,5 @@
-"""The markdown table of scripts/gpu_bench_tp.sh's decode runs, and the two ratios issue 30
-asks for: size 2 over size 1 (dense, batch 16), and sparse over dense at each size.
+"""The markdown table of scripts/gpu_bench_tp.sh's decode runs, and the two ratios that say
+what tensor parallelism buys: size 2 over size 1 (dense, batch 16), and sparse over dense at each size.
 
     python3 scripts/tp_decode_table.py OUT_DIR    # reads decode_{tp1,tp2,big_tp2}.json there
 """

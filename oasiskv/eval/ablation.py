@@ -1,5 +1,5 @@
-"""Accuracy against the fetch cap and the top-K size: the accuracy half of the paper's Table 2
-(fetch-cap ablation) and its top-K sensitivity, on our model.
+"""Accuracy against the fetch cap and the top-K size: a fetch-cap ablation and a top-K
+sensitivity sweep, on one model.
 
 For each sparse setting, on the same prompts: passkey retrieval (oasiskv.eval.passkey) and
 teacher-forced fidelity to dense (oasiskv.eval.fidelity). Settings: the fetch ratio swept at

@@ -40,7 +40,7 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        # eq. (1) per token: N_layer * 2 * N_kv * d_h * s
+        # KV bytes per token: N_layer * 2 * N_kv * d_h * s (keys and values, every layer)
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def num_params(self) -> int:

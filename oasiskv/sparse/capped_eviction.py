@@ -1,6 +1,6 @@
 """Capped eviction: the selection stage of the lookahead pipeline (docs/design.md, "A decode
-step of a sparse request"; the paper's "delta selection and capped eviction"), batched over rows, a row = one
-(request, layer, kv head).
+step of a sparse request"): keep what is resident, admit at most C new blocks, evict the least
+recently selected; batched over rows, a row = one (request, layer, kv head).
 
 Each row owns K dynamic slots; sink and window blocks sit in other slots this policy never
 sees. Given the predicted top-K (best first):

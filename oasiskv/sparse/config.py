@@ -61,7 +61,7 @@ class SparseConfig:
 
     @property
     def fetch_cap(self) -> int:
-        """eq. (3): at most C new blocks per KV head per step."""
+        """C = max(1, ceil(fetch_ratio * K)): at most C new blocks per KV head per step."""
         return max(1, math.ceil(self.fetch_ratio * self.top_k_blocks))
 
     @property

@@ -1,5 +1,5 @@
-"""The transfer budget of a decode step, in bytes (the paper's limitation 2: its cap C is a fixed
-ratio of K, whatever the link can carry).
+"""The transfer budget of a decode step, in bytes (the cap C alone is a fixed ratio of K,
+whatever the link can carry).
 
 A step may move at most what crosses the host -> GPU link while its foreground runs: budget =
 link rate x foreground time x margin, from the link rate measured at start-up and the
@@ -166,7 +166,7 @@ class FetchBudget:
 
     @property
     def step_bytes(self) -> int:
-        """Bytes a step may move (eq. (4): the transfer keeps up with the foreground)."""
+        """Bytes a step may move: link rate x foreground time x margin (the transfer keeps pace)."""
         if self.setting == "auto":
             return int(self.link_bytes_per_s * self.foreground_s * self.margin)
         return int(self.setting * 1e6)

@@ -1,4 +1,4 @@
-"""The lookahead prefetch pipeline (docs/design.md, paper eq. (3)-(4)): the GPU-resident state of the
+"""The lookahead prefetch pipeline (docs/design.md): the GPU-resident state of the
 sparse requests of a decode batch, and per layer three stages that run in the background:
 
     predict   score every block from the summaries with the draft query, top-K per KV head
