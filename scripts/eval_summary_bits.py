@@ -1,5 +1,5 @@
 """How much accuracy would b-bit block summaries cost? A CPU study for a storage format not
-built (docs/accuracy.md, "4-bit block summaries").
+built (results: docs/results/*_4bit_summaries_study.json; fp8 summaries are what the engine stores).
 
 The prediction's scan reads every block's min/max key summaries each decode step: at batch 16,
 16K context, 1.2 GB a step in fp8 (256 B per block and kv head at D = 128). A 4-bit format

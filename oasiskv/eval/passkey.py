@@ -22,7 +22,7 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 QUESTION = "What is the pass key? The pass key is"
 # Source code, not prose: on English prose about Python (the language reference, its license)
-# the default model answers "a special key that ..." even dense (docs/accuracy.md).
+# the default model answers "a special key that ..." even dense.
 FRESH_FILLERS = ("argparse", "shutil", "calendar")
 FRESH_DEPTHS = (0.05, 0.25, 0.45, 0.65, 0.85)
 FRESH_SEEDS = (10, 11)

@@ -8,8 +8,8 @@ indexed by a global block id (request offset + logical block); the caller keeps 
 They are stored in fp8 (e4m3; `--summary-dtype auto` on CUDA, or `fp8`), or in the KV dtype (`kv`,
 and `auto` off CUDA). fp8 halves the bytes that every decode step's prediction scans (at 32K
 context as many as the working set's KV). A min is rounded down and a max up (so the box holds
-every key and the block's bound stays an upper bound; to nearest, Qwen2.5-Coder-0.5B's mean KL
-to dense at 8K was 1.8x float32's, directed 1.07x: docs/accuracy.md), both clamped to e4m3's
+every key and the block's bound stays an upper bound; rounded to nearest, Qwen2.5-Coder-0.5B's
+mean KL to dense at 8K is 1.8x float32's, rounded outward 1.07x), both clamped to e4m3's
 ±448. Directed rounding is monotone, so the min of keys rounded down is the exact min rounded
 down, and folding a token in fp8 gives what rounding the exact summary would.
 """
