@@ -137,9 +137,11 @@ if [ "${1:-}" = scenarios ]; then
   cases=" ${CASES:-dense sparse} "
   sparse_flags=(--sparse --host-kv-gb "${HOST_KV_GB:-92}" ${SPARSE_EXTRA:-})
   t0=$SECONDS
-  # Each server holds its KV limit plus ~32 GiB (weights, working sets, graphs, workspace).
+  # Each server holds its KV limit plus its weights and workspace: ~32 GiB for the 8B, ~70 for the 32B.
   gpu_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) / 1024 ))
-  if [ -n "${KV_GB-24}" ] && [ "$cases" = " dense sparse " ] && (( gpu_gib >= 2 * (${KV_GB-24} + 32) )); then
+  case $MODEL in *32b*) beside=70 ;; *) beside=32 ;; esac
+  kv_gib=${KV_GB-24}
+  if [ -n "$kv_gib" ] && [ "$cases" = " dense sparse " ] && (( gpu_gib >= 2 * (${kv_gib%.*} + beside) )); then
     # Both fit the GPU at once: start them together (the loads, captures and warm-ups overlap),
     # then bench one at a time; an idle server does no GPU work.
     start_scenario_server dense "$PORT"; dense_pid=$server_pid

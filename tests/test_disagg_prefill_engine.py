@@ -50,3 +50,26 @@ def test_a_failed_hand_over_fails_only_its_request(monkeypatch):
         assert served.finish_reason == "length" and engine.take_admission("b", "decode-0") is not None
     finally:
         engine.close()
+
+
+def test_hand_overs_beyond_the_pool_wait_for_pages():
+    """More hand-overs at once than the pool can convert together: each waits for the pages of
+    its conversion (working set and summaries) and every one is handed over, none fails."""
+    engine = prefill_engine.PrefillEngine(
+        EngineConfig(max_model_len=1200, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.2,
+                     kv_cache_gb=0.03), SocketTransport())
+    try:
+        pool, n = engine.block_manager.num_pages, 12
+        assert n * engine.sparse.cfg.working_set_blocks > 2 * pool  # they cannot all convert at once
+        ids = engine.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)
+        for i in range(n):
+            engine.expect_hand_over(f"r{i}")
+            engine.add_request(ids[i:i + 60 + i], SamplingParams(temperature=0, max_tokens=1), f"r{i}")
+        outs = {}
+        while engine.has_unfinished():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert sorted(o.finish_reason for o in outs.values()) == ["length"] * n, [o.error for o in outs.values()]
+        assert all(engine.take_admission(f"r{i}", "decode-0") is not None for i in range(n))
+        assert engine.block_manager.num_free == pool
+    finally:
+        engine.close()

@@ -3,7 +3,10 @@ serve --role decode --rpf-strict` as subprocesses on the default model, a 4K-tok
 K = 32; on the socket transport, then the faults again on NIXL (skipped where it does not import).
 
 - Strict RPF through the proxy decodes the greedy tokens of colocated sparse decode (the same
-  request sent to the decode server without transfer parameters: it converts after its prefill).
+  request sent to the decode server without transfer parameters: it converts after its prefill);
+  so do short prompts, strict and default (a second decode server and proxy, without --rpf-strict).
+- The proxies take client keys (--api-key); the OpenAI surface and lm-eval through them answer
+  as the decode server colocated.
 - Full transfer reads the whole KV over the transport at admission (its admission bytes count
   those reads) and decodes the same tokens. RPF's admission is at most a quarter of full
   transfer's, and the decode side's host memory for the request
@@ -33,6 +36,8 @@ PROMPT_TOKENS, NEW_TOKENS = 4000, 8
 ENGINE = ["--max-model-len", "4200", "--sparse", "--top-k-blocks", "32", "--sparse-threshold", "2048",
           "--host-kv-gb", "0.5", "--kv-cache-gb", "0.5", "--disable-log-stats"]
 HOST = "127.0.0.1"
+KEY = "tests-proxy-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}  # the proxies' client key; role servers take the secret
 
 
 def prompt_ids(base: str) -> list[int]:
@@ -47,17 +52,22 @@ def servers(request):
     if transport == "nixl" and nixl_available() is not None:
         pytest.skip(nixl_available())
     engine = [*ENGINE, "--kv-transport", transport]
-    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy", "decode_default", "proxy_default")}
     url = {name: f"http://{HOST}:{port}" for name, port in ports.items()}
-    os.environ.setdefault(SECRET_ENV, "tests-disagg-secret")  # the servers and the proxy share it
+    os.environ.setdefault(SECRET_ENV, "tests-disagg-secret")  # the servers and the proxies share it
+
+    def proxy(decode: str):
+        return subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
+                                 url["prefill"], "--decode", url[decode], "--port", str(ports[f"proxy{decode[6:]}"]),
+                                 "--api-key", KEY, "--log-level", "warning"], start_new_session=True)
+    decode = [*engine, "--role", "decode", "--prefill-peers", url["prefill"]]
     procs = {
         "prefill": start_server([*engine, "--role", "prefill", "--kv-lease-ttl", "3"], HOST, ports["prefill"],
                                 wait=False),
-        "decode": start_server([*engine, "--role", "decode", "--rpf-strict", "--prefill-peers", url["prefill"]],
-                               HOST, ports["decode"], wait=False),
-        "proxy": subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
-                                   url["prefill"], "--decode", url["decode"], "--port", str(ports["proxy"]),
-                                   "--log-level", "warning"], start_new_session=True),
+        "decode": start_server([*decode, "--rpf-strict"], HOST, ports["decode"], wait=False),
+        "decode_default": start_server(decode, HOST, ports["decode_default"], wait=False),
+        "proxy": proxy("decode"),
+        "proxy_default": proxy("decode_default"),
     }
     try:
         for name, proc in procs.items():
@@ -72,7 +82,7 @@ def complete(base: str, ids: list[int], transfer: dict | None = None, max_tokens
     body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     if transfer is not None:
         body["kv_transfer_params"] = transfer
-    status, out = call(base, "/v1/completions", body, timeout=600)
+    status, out = call(base, "/v1/completions", body, timeout=600, headers=AUTH)
     assert status == 200, out
     return out["choices"][0]
 
@@ -155,11 +165,11 @@ def test_chat_through_the_proxy_whole_and_streamed(servers):
             "temperature": 0, "ignore_eos": True}
     status, local = call(url["decode"], "/v1/chat/completions", body)
     assert status == 200, local
-    status, whole = call(url["proxy"], "/v1/chat/completions", body)
+    status, whole = call(url["proxy"], "/v1/chat/completions", body, headers=AUTH)
     assert status == 200, whole
     text = whole["choices"][0]["message"]["content"]
     assert text == local["choices"][0]["message"]["content"] and whole["usage"]["completion_tokens"] == 6
-    events = stream_events(url["proxy"], "/v1/chat/completions", body)
+    events = stream_events(url["proxy"], "/v1/chat/completions", body, headers=AUTH)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == text
 
@@ -167,7 +177,7 @@ def test_chat_through_the_proxy_whole_and_streamed(servers):
 def stream_until(url: str, body: dict, stop_after: int):
     """Open a streamed completion and return it after `stop_after` token events (still open)."""
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **AUTH})
     r = urllib.request.urlopen(req, timeout=600)
     events = 0
     for line in r:
@@ -192,14 +202,20 @@ SHORT_LENGTHS = list(range(1, 41)) + [47, 48, 49, 63, 64, 65, 127, 128, 129, 199
 
 def test_every_short_prompt_length_equals_colocated(servers):
     """Prompts shorter than a block (the partial block is a sink) and around block boundaries:
-    through the proxy (strict RPF) the greedy tokens equal the decode server's colocated run."""
+    through either proxy (strict RPF, default RPF) the greedy tokens equal the decode server's
+    colocated run."""
     url, ids = servers["url"], servers["ids"]
+    body = {"prompt": [ids[:n] for n in SHORT_LENGTHS], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}  # one request of every length: each server batches them
+    status, local = call(url["decode"], "/v1/completions", body, timeout=600)
+    assert status == 200, local
     bad = []
-    for n in SHORT_LENGTHS:
-        local = complete(url["decode"], ids[:n], max_tokens=12)
-        proxied = complete(url["proxy"], ids[:n], max_tokens=12)
-        if proxied["text"] != local["text"] or proxied["logprobs"]["tokens"] != local["logprobs"]["tokens"]:
-            bad.append(n)
+    for proxy in ("proxy", "proxy_default"):
+        status, proxied = call(url[proxy], "/v1/completions", body, timeout=600, headers=AUTH)
+        assert status == 200, proxied
+        for n, a, b in zip(SHORT_LENGTHS, local["choices"], proxied["choices"]):
+            if a["text"] != b["text"] or a["logprobs"]["tokens"] != b["logprobs"]["tokens"]:
+                bad.append((proxy, n))
     assert not bad, f"prompt lengths whose proxied tokens differ from colocated: {bad}"
 
 
@@ -214,7 +230,7 @@ def test_proxy_speaks_the_openai_surface(servers):
     for case in cases:
         body = {**base, **case}
         s1, local = call(url["decode"], "/v1/completions", body, timeout=600)
-        s2, proxied = call(url["proxy"], "/v1/completions", body, timeout=600)
+        s2, proxied = call(url["proxy"], "/v1/completions", body, timeout=600, headers=AUTH)
         assert s1 == s2 == 200, (case, local, proxied)
         assert [c["text"] for c in proxied["choices"]] == [c["text"] for c in local["choices"]], case
         if case.get("logprobs") is not None:
@@ -226,6 +242,60 @@ def test_proxy_speaks_the_openai_surface(servers):
     for path, body in (("/tokenize", {"prompt": "hello there"}), ("/detokenize", {"tokens": ids[:5]})):
         assert call(url["proxy"], path, body) == call(url["decode"], path, body)
     assert call(url["proxy"], "/version") == call(url["decode"], "/version")
+    refused = {"prompt": ids[:10], "stream": True, "echo": True}, {"prompt": ids[:10], "stream": True, "best_of": 2}
+    for body in refused:
+        s1, local = call(url["decode"], "/v1/completions", body)
+        s2, proxied = call(url["proxy"], "/v1/completions", body, headers=AUTH)
+        assert s1 == s2 == 400 and local["error"]["param"] == proxied["error"]["param"], (body, local, proxied)
+
+
+def streamed_choices(events: list, chat: bool) -> tuple[dict[int, str], dict | None]:
+    """({choice index: its text}, the final usage's counts) of a stream's events."""
+    texts, usage = {}, None
+    for e in events[:-1]:
+        if e.get("usage"):
+            usage = {k: e["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        for c in e["choices"]:
+            piece = c["delta"].get("content", "") if chat else c["text"]
+            texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+    return texts, usage
+
+
+def test_proxy_streams_many_choices_and_prompts(servers):
+    """Streamed n > 1 and prompt lists through the proxy: one stream whose choices (by index),
+    final usage and [DONE] are the decode server's colocated stream's."""
+    url, ids = servers["url"], servers["ids"]
+    usage = {"stream_options": {"include_usage": True}}
+    cases = [("/v1/completions", {"prompt": ids[:40], "n": 2, **usage}),
+             ("/v1/completions", {"prompt": [ids[:30], ids[30:75]], "n": 2, **usage}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to five."}], "n": 2})]
+    for path, case in cases:
+        body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, **case}
+        local = stream_events(url["decode"], path, body, timeout=600)
+        proxied = stream_events(url["proxy"], path, body, timeout=600, headers=AUTH)
+        assert proxied[-1] == "[DONE]" and len({e["id"] for e in proxied[:-1]}) == 1
+        chat = path.endswith("chat/completions")
+        assert streamed_choices(proxied, chat) == streamed_choices(local, chat), case
+
+
+def test_lm_eval_through_the_proxy_equals_colocated(servers, tmp_path):
+    """lm-eval's local-completions (loglikelihoods, generate_until) through the keyed proxy
+    gives the numbers and answers it gives against the decode server colocated."""
+    if servers["transport"] != "socket":
+        pytest.skip("run once, on the socket transport")
+    from lm_eval_client import evaluate
+    url = servers["url"]
+    for task in ("oasiskv_tiny_mc", "oasiskv_tiny_gen"):
+        local = evaluate(url["decode"], tmp_path, task)
+        proxied = evaluate(url["proxy"], tmp_path, task, api_key=KEY)
+        assert len(local) == len(proxied) > 0
+        for a, b in zip(local, proxied):
+            assert a["doc"] == b["doc"]
+            if task.endswith("mc"):
+                for (x, greedy_x), (y, greedy_y) in zip(a["filtered_resps"], b["filtered_resps"]):
+                    assert abs(float(x) - float(y)) < 1e-3 and greedy_x == greedy_y, (a["doc"], x, y)
+            else:
+                assert a["filtered_resps"] == b["filtered_resps"], a["doc"]
 
 
 def test_fuzz_role_servers_and_proxy(servers):
@@ -253,7 +323,7 @@ def test_fuzz_role_servers_and_proxy(servers):
     statuses = []
     for i, raw in enumerate(bodies):
         for base in (url["proxy"], url["prefill"], url["decode"]):
-            headers = secret if i % 2 else {}
+            headers = {**AUTH, **(secret if i % 2 else {})}
             for path in ("/v1/completions", "/v1/chat/completions"):
                 try:
                     status = call(base, path, raw, timeout=30, headers=headers)[0]
@@ -281,7 +351,7 @@ def test_prefill_killed_mid_decode(servers):
     url, ids = servers["url"], servers["ids"]
     body = {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(url["proxy"] + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **AUTH})
     events, killed, error_after = 0, None, None
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
@@ -308,5 +378,5 @@ def test_prefill_killed_mid_decode(servers):
     d = metrics(url["decode"])
     assert d["oasiskv:disagg_host_bytes_used"] == 0 and d["oasiskv:disagg_failed_requests_total"] == 1
     assert d["oasiskv:disagg_leases_held"] == 0
-    status, out = call(url["proxy"], "/v1/completions", {"prompt": ids[:100], "max_tokens": 2})
+    status, out = call(url["proxy"], "/v1/completions", {"prompt": ids[:100], "max_tokens": 2}, headers=AUTH)
     assert status == 502 and "prefill" in out["error"]["message"]  # no prefill server left

@@ -11,13 +11,12 @@ import signal
 
 import pytest
 import torch
+from lm_eval_client import MODEL, evaluate
 from server_client import free_port
 
 from oasiskv.engine.llm_engine import RequestOutput
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 
-TASKS = os.path.join(os.path.dirname(__file__), "lm_eval_tasks")
-MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -43,28 +42,6 @@ def hf():
     return model, AutoTokenizer.from_pretrained(os.path.dirname(path), **kw)
 
 
-def _tasks_here(tmp_path) -> str:
-    """The task yamls with their data files as absolute paths (lm-eval reads them relative to the cwd)."""
-    for name in os.listdir(TASKS):
-        text = open(os.path.join(TASKS, name)).read()
-        if name.endswith(".yaml"):
-            text = text.replace("tests/lm_eval_tasks/", TASKS + "/")
-        (tmp_path / name).write_text(text)
-    return str(tmp_path)
-
-
-def _evaluate(base: str, tmp_path, task: str) -> list[dict]:
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    out = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=dict(base_url=base + "/v1/completions", model=MODEL, tokenizer_backend="remote",
-                        tokenized_requests=True, max_length=512, max_retries=1),
-        tasks=[task], batch_size=4, log_samples=True, task_manager=TaskManager(include_path=_tasks_here(tmp_path)))
-    return out["samples"][task]
-
-
 def _encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-eval's split of (context, continuation) into tokens (TemplateLM._encode_pair)."""
     n_spaces = len(context) - len(context.rstrip())
@@ -79,7 +56,7 @@ def _encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[
                     "prompt logprobs yet")
 def test_lm_eval_loglikelihoods_equal_hf(base, hf, tmp_path):
     model, tok = hf
-    samples = _evaluate(base, tmp_path, "oasiskv_tiny_mc")
+    samples = evaluate(base, tmp_path, "oasiskv_tiny_mc")
     assert len(samples) == 10
     worst, count = 0.0, 0
     for s in samples:
@@ -97,7 +74,7 @@ def test_lm_eval_loglikelihoods_equal_hf(base, hf, tmp_path):
 
 def test_lm_eval_generate_until_equals_hf_greedy(base, hf, tmp_path):
     model, tok = hf
-    samples = _evaluate(base, tmp_path, "oasiskv_tiny_gen")
+    samples = evaluate(base, tmp_path, "oasiskv_tiny_gen")
     assert len(samples) == 5
     for s in samples:
         ids = tok.encode(s["doc"]["question"], add_special_tokens=False)

@@ -87,6 +87,8 @@ class Scheduler:
                 break  # its next block is computed in this step (another request's): it hits it next step
             if self.sparse is not None and not self.sparse.reserve(seq, self.max_model_len):
                 break  # its full KV does not fit the host pool yet: it waits
+            if seq.hand_over and not self._hand_over_room(seq, len(hits)):
+                break
             host_hit = bm.host_prefix(seq, hits)  # the next blocks, in the host tier: loaded, not prefilled
             cached = len(hits) * bm.block_size + (host_hit.num_tokens if host_hit else 0)
             n = min(seq.num_tokens - cached, budget)
@@ -115,6 +117,19 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return True
+
+    def _hand_over_room(self, seq: Sequence, held: int) -> bool:
+        """A request a prefill instance hands over converts right after its prompt: admitted
+        only while the pages for its whole prompt or its conversion (working set and summaries'
+        run, `take_own`'s one more), whichever is more, stay free beside those the admitted
+        hand-overs still need; else it waits rather than fail at its conversion."""
+        bm = self.block_manager
+
+        def need(s: Sequence) -> int:
+            prompt = -(-len(s.prompt_token_ids) // bm.block_size)
+            return max(prompt, self.sparse.conversion_pages(s, self.max_model_len) + 1)
+        reserved = sum(max(0, need(s) - len(s.pages)) for s in self.running if s.hand_over and s.sparse is None)
+        return bm.num_free - reserved >= need(seq) - held or not self.running  # alone, it tries
 
     def _streamed_chunk(self, seq: Sequence) -> int:
         """Its next chunk: the step's token budget in whole blocks (so every chunk but the last

@@ -6,7 +6,8 @@ Each completion or chat request goes to the next prefill server (round robin) wi
 1, not streamed, and `kv_transfer_params` = {"do_remote_decode": true}; the `kv_transfer_params`
 it answers with (its `remote_url` set to the prefill's address as this proxy reaches it) go with
 the original request to the next decode server, whose answer (JSON or server-sent events) is
-passed on as it comes. GET /metrics is the first decode server's. An error of either server is passed on with its status; a server that
+passed on as it comes. Several prompts or choices go as single requests, merged back
+(`proxy_fanout`). GET /metrics is the first decode server's. An error of either server is passed on with its status; a server that
 cannot be reached is a 502, as is a decode stream that breaks off (then as an error event).
 
 With --api-key the /v1 routes need `Authorization: Bearer <key>`. Every call to a role server
@@ -29,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.entrypoints.disagg_trust import disagg_secret, secret_headers
+from oasiskv.entrypoints.proxy_fanout import merge, merged_events, split
 from oasiskv.entrypoints.openai.protocol import MAX_N, error_body
 
 log = logging.getLogger("oasiskv.proxy")
@@ -59,60 +61,11 @@ def malformed(body: dict) -> tuple[str, str] | None:
     for name in ("n", "best_of"):
         if not 1 <= (body.get(name) or 1) <= MAX_N:
             return name, f"`{name}` must be between 1 and {MAX_N}"
+    if body.get("stream") and body.get("echo"):  # as a plain server answers
+        return "echo", "`echo` is not supported with `stream`"
+    if body.get("stream") and (body.get("best_of") or 1) > (body.get("n") or 1):
+        return "best_of", "`best_of` > `n` cannot be streamed"
     return None
-
-
-def split(body: dict) -> list[tuple[dict, tuple]]:
-    """A request of several prompts or choices as single ones (prompt-major, choice-minor), each
-    `n` 1, with its group (prompt index, n, best_of, logprobs asked) for `merge`; best_of keeps
-    the n best by cumulative logprob."""
-    prompts = body.get("prompt")
-    many = isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))
-    prompts = prompts if many else [prompts]
-    n = body.get("n") or 1
-    best_of = body.get("best_of") or n
-    if len(prompts) == 1 and best_of == 1:
-        return [(body, None)]
-    one = {k: v for k, v in body.items() if k not in ("n", "best_of")}
-    if best_of > n:
-        one["logprobs"] = one.get("logprobs") if one.get("logprobs") is not None else 0
-    seed = body.get("seed")
-    return [({**one, **({"prompt": p} if "prompt" in body else {}), **({"seed": seed + j} if seed is not None else {})},
-             (i, n, best_of, body.get("logprobs")))
-            for i, p in enumerate(prompts) for j in range(best_of)]
-
-
-def merge(answers: list[JSONResponse], groups_of: list[tuple]) -> JSONResponse:
-    """Single answers back into one (`split`'s order): the first error as it is; else the choices
-    renumbered, the n best of each prompt's best_of, usage summed."""
-    bodies = []
-    for a in answers:
-        if a.status_code != 200:
-            return a
-        bodies.append(json.loads(a.body))
-    groups: dict[int, list] = {}
-    for b, (i, n, best_of, logprobs) in zip(bodies, groups_of):
-        groups.setdefault(i, []).append((b["choices"][0], n, best_of, logprobs))
-    choices = []
-    for i in sorted(groups):
-        group = groups[i]
-        n, best_of, logprobs = group[0][1], group[0][2], group[0][3]
-        picked = [c for c, *_ in group]
-        if best_of > n:
-            picked = sorted(picked, key=lambda c: sum(x for x in (c.get("logprobs") or {}).get("token_logprobs") or []
-                                                      if x is not None), reverse=True)[:n]
-            if logprobs is None:
-                picked = [{**c, "logprobs": None} for c in picked]
-        choices += picked
-    out = {**bodies[0], "choices": [{**c, "index": k} for k, c in enumerate(choices)]}
-    usage = [b.get("usage") or {} for b in bodies]
-    first = {g[0]: u for u, g in reversed(list(zip(usage, groups_of)))}  # each prompt's first answer
-    prompt_tokens = sum(u.get("prompt_tokens", 0) for u in first.values())  # once per prompt
-    completion = sum(u.get("completion_tokens", 0) for u in usage)
-    out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                    "total_tokens": prompt_tokens + completion}
-    out.pop("kv_transfer_params", None)
-    return JSONResponse(out)
 
 
 def with_prompt(answer: dict, prefilled: dict) -> dict:
@@ -196,28 +149,52 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
         if body.get("echo") and body.get("max_tokens") == 0:  # the prompt's logprobs alone: one server
             return await forward(raw, "POST", path, next(next_prefill), body)
         parts = split(body)
-        if len(parts) > 1:
-            if body.get("stream"):
-                return JSONResponse(error_body("through the proxy, `n` > 1, `best_of` and prompt lists are not "
-                                               "streamed", param="stream"), status_code=400)
+        if len(parts) == 1:
+            return await one(path, raw, body)
+        groups = [group for _, group in parts]
+        if not body.get("stream"):
             answers = await asyncio.gather(*(one(path, raw, part) for part, _ in parts))
-            return merge(answers, [group for _, group in parts])
-        return await one(path, raw, body)
+            return merge(answers, groups)
+        started = await asyncio.gather(*(hand_over(path, raw, part) for part, _ in parts))
+        failed = next((s for s in started if isinstance(s, JSONResponse)), None)
+        if failed is not None:
+            for s in started:
+                if not isinstance(s, JSONResponse):
+                    s[0].close()
+            return failed
+        return StreamingResponse(merged_events([r for r, _ in started], groups), media_type="text/event-stream")
 
     async def one(path: str, raw: Request, body: dict):
-        """One prompt, one choice: prefill (hand-over), then decode."""
+        """One prompt, one choice: its decode server's answer, whole or as it streams."""
+        started = await hand_over(path, raw, body)
+        if isinstance(started, JSONResponse):
+            return started
+        response, prefilled = started
+        if not body.get("stream"):
+            try:
+                answer = await response.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                return bad_gateway(f"the decode server failed ({type(e).__name__}: {e})")
+            finally:
+                response.release()
+            if body.get("echo"):
+                answer = with_prompt(answer, prefilled)
+            return JSONResponse(answer)
+        return StreamingResponse(relay(response), media_type="text/event-stream")
+
+    async def hand_over(path: str, raw: Request, body: dict):
+        """Prefill (hand-over), then the decode request started: (its 200 response, the prefill's
+        answer), or the error response to give the client."""
         session: aiohttp.ClientSession = state["session"]
         p_url, d_url = next(next_prefill), next(next_decode)
         try:
             async with session.post(p_url + path, json=prefill_body(body), headers=role_headers(raw)) as r:
-                answer = await r.json(content_type=None)
-                status = r.status
-                prefilled = answer
+                prefilled, status = await r.json(content_type=None), r.status
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             return bad_gateway(f"the prefill server {p_url} failed ({type(e).__name__}: {e})")
         if status != 200:
-            return JSONResponse(answer, status_code=status)
-        transfer = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            return JSONResponse(prefilled, status_code=status)
+        transfer = prefilled.get("kv_transfer_params") if isinstance(prefilled, dict) else None
         if not transfer:
             return bad_gateway(f"the prefill server {p_url} handed nothing over (is it started with --role prefill?)")
         transfer = {**transfer, "remote_url": p_url}
@@ -227,17 +204,14 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
             response = await session.post(d_url + path, json=decode_body, headers=role_headers(raw))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return bad_gateway(f"the decode server {d_url} cannot be reached ({type(e).__name__}: {e})")
-        if response.status != 200 or not body.get("stream"):
-            try:
-                answer = await response.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                return bad_gateway(f"the decode server {d_url} failed ({type(e).__name__}: {e})")
-            finally:
-                response.release()
-            if echo and response.status == 200:
-                answer = with_prompt(answer, prefilled)
-            return JSONResponse(answer, status_code=response.status)
-        return StreamingResponse(relay(response), media_type="text/event-stream")
+        if response.status == 200:
+            return response, prefilled
+        try:
+            return JSONResponse(await response.json(content_type=None), status_code=response.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            return bad_gateway(f"the decode server {d_url} failed ({type(e).__name__}: {e})")
+        finally:
+            response.release()
 
     async def forward(raw: Request, method: str, path: str, base: str, body: dict | None = None):
         """The request as it came, to one role server, its answer as it is."""
