@@ -94,7 +94,7 @@ scenario_load() {  # name -> "prompts input output"
   case $1 in
     r48x6k) echo "48 1024 6144" ;; r24x10k) echo "24 1024 10240" ;; r16x16k) echo "16 1024 16384" ;;
     l16x16k) echo "16 16384 512" ;; l8x32k) echo "8 32768 1024" ;;
-    m12x4k) echo "12 4096 2048" ;; m16x8k) echo "16 8192 2048" ;; m4x36k) echo "4 36864 512" ;; *) echo "unknown scenario $1" >&2; return 1 ;;
+    m12x4k) echo "12 4096 2048" ;; m16x8k) echo "16 8192 2048" ;; m4x36k) echo "4 36864 512" ;; c36x16k) echo "36 16384 1024" ;; *) echo "unknown scenario $1" >&2; return 1 ;;
   esac
 }
 
