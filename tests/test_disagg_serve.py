@@ -278,6 +278,35 @@ def test_proxy_streams_many_choices_and_prompts(servers):
         assert streamed_choices(proxied, chat) == streamed_choices(local, chat), case
 
 
+def test_openai_client_through_the_keyed_proxy(servers):
+    """The official client with the proxy's key: completions (whole, streamed, n = 2, echo with
+    logprobs) and chat (streamed) answer as the decode server colocated; a wrong key is a 401."""
+    from openai import AuthenticationError, OpenAI
+    url, ids = servers["url"], servers["ids"]
+    model = "SmolLM2-135M-Instruct"
+    proxied, local = OpenAI(base_url=url["proxy"] + "/v1", api_key=KEY), OpenAI(base_url=url["decode"] + "/v1",
+                                                                                   api_key="unused")
+    greedy = dict(model=model, max_tokens=6, temperature=0)
+    for kw in (dict(prompt=ids[:40]), dict(prompt=ids[:40], n=2), dict(prompt=ids[:40], echo=True, logprobs=1)):
+        a, b = local.completions.create(**greedy, **kw), proxied.completions.create(**greedy, **kw)
+        assert [c.text for c in a.choices] == [c.text for c in b.choices], kw
+        if kw.get("logprobs"):
+            assert a.choices[0].logprobs.tokens == b.choices[0].logprobs.tokens
+    texts = []
+    for client in (local, proxied):
+        stream = client.completions.create(**greedy, prompt=ids[:40], n=2, stream=True)
+        by_index: dict[int, str] = {}
+        for chunk in stream:
+            for c in chunk.choices:
+                by_index[c.index] = by_index.get(c.index, "") + c.text
+        chat = client.chat.completions.create(**greedy, stream=True,
+                                              messages=[{"role": "user", "content": "Name a colour."}])
+        texts.append((by_index, "".join(c.choices[0].delta.content or "" for c in chat if c.choices)))
+    assert texts[0] == texts[1]
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=url["proxy"] + "/v1", api_key="wrong").completions.create(**greedy, prompt=ids[:5])
+
+
 def test_lm_eval_through_the_proxy_equals_colocated(servers, tmp_path):
     """lm-eval's local-completions (loglikelihoods, generate_until) through the keyed proxy
     gives the numbers and answers it gives against the decode server colocated."""
