@@ -3,7 +3,7 @@ batched pipeline"):
 
 1. the transfer and write-through kernels over a batch of extent and mapped rows, host items
    pinned and read through UVA, against plain loops;
-2. tests/test_disagg_pipeline.py on CUDA (a pytest run): with full admissions the captured
+2. tests/disagg/test_disagg_pipeline.py on CUDA (a pytest run): with full admissions the captured
    pipeline decodes the in-line path's tokens; with RPF reads, after every step no dynamic slot
    holds a block that is not local and every slot holds its local item's bytes, each wanted
    item crosses once, the host items all come back; a dead peer fails only its request;
@@ -54,7 +54,7 @@ def main() -> int:
     results["mixed_rows_kernels"] = t.mixed_rows_copies("cuda")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(["tests", os.environ.get("PYTHONPATH", ".")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-s", "-p", "no:cacheprovider",
-                           "tests/test_disagg_pipeline.py"], env=env, capture_output=True, text=True, timeout=420)
+                           "tests/disagg/test_disagg_pipeline.py"], env=env, capture_output=True, text=True, timeout=420)
     results["pytest_rc"] = proc.returncode
     results["pytest_tail"] = proc.stdout[-3000:] + proc.stderr[-2000:]
     print(results["pytest_tail"], flush=True)

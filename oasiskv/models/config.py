@@ -122,7 +122,7 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
         num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=32768, qkv_bias=True, bos_token_id=151643, eos_token_ids=[151645]),
-    # The GGUFs of `oasiskv download` (models/downloads.py): their headers, checked by tests/test_downloads.py.
+    # The GGUFs of `oasiskv download` (models/downloads.py): their headers, checked by tests/models/test_downloads.py.
     "qwen2.5-coder-0.5b": ModelConfig(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
         num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0,

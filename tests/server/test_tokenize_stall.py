@@ -1,0 +1,47 @@
+"""The open tokenizer routes cannot stall generation: four concurrent /tokenize calls of ~3.9 MB
+each (under the body limit) run on a tokenizer and worker of their own, and a small completion
+beside them takes at most twice its time alone."""
+from __future__ import annotations
+
+import pytest
+import argparse
+import threading
+import time
+
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server
+from server_client import call, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+
+def timed_completion(base: str) -> float:
+    t0 = time.perf_counter()
+    status, out = call(base, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 2,
+                                                 "temperature": 0}, timeout=120)
+    assert status == 200, out
+    return time.perf_counter() - t0
+
+
+def test_huge_tokenize_calls_do_not_delay_a_completion():
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(["--max-model-len", "1024", "--disable-log-stats"], "127.0.0.1", port)
+    try:
+        alone = min(timed_completion(base) for _ in range(3))
+        text = open(argparse.__file__).read()
+        huge = (text * (3_900_000 // len(text) + 1))[:3_900_000]
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(call(base, "/tokenize", {"prompt": huge},
+                                                                      timeout=600)[0])) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the tokenizer routes are busy now
+        beside = timed_completion(base)
+        busy = any(t.is_alive() for t in threads)
+        for t in threads:
+            t.join()
+        assert results == [200] * 4
+        assert busy, "the tokenize calls ended before the completion ran: the test measured nothing"
+        assert beside <= 2 * alone + 0.1, f"{beside:.2f} s beside the tokenize calls, {alone:.2f} s alone"
+    finally:
+        stop_server(proc)
