@@ -1,5 +1,5 @@
 """Qwen3-MoE: a tiny random model saved by HF transformers loads from its directory and decodes
-HF's logits and greedy tokens, dense and sparse at a full budget;
+HF's logits and greedy tokens, dense and sparse at a full budget, and at tensor-parallel size 2;
 the 30B-A3B and 235B-A22B presets hold the published shapes and build (on the meta device, and
 shrunken with dummy weights)."""
 from __future__ import annotations
@@ -12,6 +12,8 @@ import torch
 from tiny_qwen3_moe import VOCAB, save_tiny_qwen3_moe
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.distributed.layers import ParallelMoeMLP
+from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
 from oasiskv.layers.moe import MoeMLP
 from oasiskv.models.config import preset
 from oasiskv.models.llama import LlamaForCausalLM, LlamaMLP
@@ -69,6 +71,39 @@ def test_layers_follow_the_config(tiny):
     kinds = [type(layer.mlp) for layer in model.model.layers]
     assert kinds == [MoeMLP, LlamaMLP, MoeMLP, MoeMLP]  # mlp_only_layers = [1]
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 64)
+
+
+def test_tensor_parallel_size_2_equals_size_1(tiny):
+    """Each rank holds half of every expert's rows and the whole router: a dense batch of two and
+    the sparse prompt give size 1's tokens."""
+    path, _, ids, _, want_sparse = tiny
+    gen = torch.Generator().manual_seed(1)
+    short = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(path), max_model_len=512).generate(short, params)]
+    two = LLM(str(path), max_model_len=512, tensor_parallel_size=2, distributed_timeout_s=30, **SPARSE)
+    try:
+        moe = two.engine.runner.model.model.layers[0].mlp
+        assert isinstance(moe, ParallelMoeMLP) and moe.experts.gate_up_proj.shape == (8, 32, 64)  # 2 x 16 rows
+        got = two.generate(short + [ids], [params, params, GREEDY])
+    finally:
+        two.engine.runner.shutdown()
+    assert [o.token_ids for o in got] == want + [want_sparse]
+    assert got[2].stats["sparse_steps"] == STEPS
+
+
+def test_experts_split_by_intermediate_rows():
+    """qwen3-30b-a3b over 4 ranks: each holds 192 of every expert's 768 rows; the router whole."""
+    cfg = preset("qwen3-30b-a3b")
+    plans = [shard_plan(cfg, r, 4) for r in range(4)]
+    assert [p.expert_intermediate for p in plans] == [range(r * 192, (r + 1) * 192) for r in range(4)]
+    assert local_config(cfg, plans[1]).moe_intermediate_size == 192
+    up, down, router = torch.randn(768, 8), torch.randn(8, 768), torch.randn(128, 8)
+    layer = "model.layers.3.mlp."
+    assert torch.equal(torch.cat([shard_tensor(layer + "experts.5.up_proj.weight", up, p) for p in plans]), up)
+    assert torch.equal(torch.cat([shard_tensor(layer + "experts.5.down_proj.weight", down, p) for p in plans], 1),
+                       down)
+    assert all(shard_tensor(layer + "gate.weight", router, p) is router for p in plans)
 
 
 # ---- presets -----------------------------------------------------------------------------------
