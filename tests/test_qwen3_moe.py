@@ -12,6 +12,7 @@ import torch
 from tiny_qwen3_moe import VOCAB, save_tiny_qwen3_moe
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.bench.roofline import prefill_flops
 from oasiskv.distributed.layers import ParallelMoeMLP
 from oasiskv.distributed.sharding import local_config, shard_plan, shard_tensor
 from oasiskv.layers.moe import MoeMLP
@@ -126,6 +127,9 @@ def test_presets_hold_the_published_shapes(name, shape, params, active):
     h, q, kv, e = cfg.hidden_size, cfg.num_heads * 128, cfg.num_kv_heads * 128, cfg.moe_intermediate_size
     layer = h * (q + 2 * kv) + q * h + 128 * 3 * h * e + 128 * h + 2 * h + 2 * 128
     assert cfg.num_params() == cfg.num_layers * layer + 2 * cfg.vocab_size * h + h
+    # A prefill token multiplies the active weights but the embedding's, twice (multiply, add).
+    linear, _ = prefill_flops(cfg, 1000)
+    assert abs(linear / 1000 / 2 / (cfg.num_params(active=True) - 2 * cfg.vocab_size * h) - 1) < 1e-3
 
 
 def test_30b_a3b_builds_on_the_meta_device():
