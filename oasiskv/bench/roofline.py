@@ -25,11 +25,14 @@ def kv_bytes_per_step(mc: ModelConfig, dtype_bytes: int, context_tokens: int) ->
 
 def prefill_flops(mc: ModelConfig, prompt_len: int) -> tuple[int, int]:
     """(linear, attention) FLOPs of one prompt's prefill, 2 per multiply-add. Linear: every
-    projection of every token, and the output head for the last token only (the one sampled).
+    projection of every token (in a MoE layer the router and the top-k experts it runs), and the
+    output head for the last token only (the one sampled).
     Attention: causal, so the query at position p scores and sums p + 1 keys (QK^T and PV)."""
     h, i = mc.hidden_size, mc.intermediate_size
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    per_token = mc.num_layers * 2 * (h * (q + 2 * kv) + q * h + 3 * h * i)
+    mlp = sum(3 * h * mc.num_experts_per_tok * mc.moe_intermediate_size + h * mc.num_experts
+              if mc.is_moe_layer(layer) else 3 * h * i for layer in range(mc.num_layers))
+    per_token = 2 * (mc.num_layers * (h * (q + 2 * kv) + q * h) + mlp)
     linear = prompt_len * per_token + 2 * h * mc.vocab_size
     attention = mc.num_layers * 4 * q * (prompt_len * (prompt_len + 1) // 2)
     return linear, attention

@@ -2,7 +2,8 @@
 
 Column-parallel layers (qkv, gate/up) need none: each rank computes its own heads and MLP
 rows from the whole input. A row-parallel layer (o_proj, down) multiplies the rank's slice of
-the input by the matching weight columns; the partial sums add up across ranks.
+the input by the matching weight columns; the partial sums add up across ranks. A MoE layer is
+both at once for every expert, behind a router every rank runs whole.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.distributed.group import ParallelGroup
+from oasiskv.layers.moe import MoeMLP
+from oasiskv.models.config import ModelConfig
 
 
 class RowParallelLinear(nn.Linear):
@@ -22,6 +25,19 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(F.linear(x, self.weight))
+
+
+class ParallelMoeMLP(MoeMLP):
+    """Each expert's intermediate rows split over the ranks (gate/up by rows, down by columns),
+    the router replicated, so every rank routes a token alike: the weighted partial outputs add
+    up across ranks, one all-reduce after the layer as after the dense MLP's down."""
+
+    def __init__(self, cfg: ModelConfig, group: ParallelGroup):
+        super().__init__(cfg)  # cfg: the rank's shapes (`sharding.local_config`)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -1,4 +1,4 @@
-"""Torch references of the attention kernels: the semantics every fast kernel must match.
+"""Torch references of the kernels: the semantics every fast kernel must match.
 
 KV cache layout (docs/design.md, "Memory layout"): per layer one tensor
 `kv_cache[num_slots, 2, block_size, head_dim]` where slot = page * num_kv_heads + kv_head and
@@ -9,6 +9,7 @@ contiguous copy per item.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def store_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -121,3 +122,24 @@ def random_paged_prefill(spans, Hkv: int, G: int, D: int, dtype, bs: int = 16, s
     q = torch.randn(at, G * Hkv, D, device=device, generator=gen).to(dtype)
     table = PrefillTable.build(starts, [n for _, n in spans], [p for p, _ in spans], pages, torch.device(device))
     return q, kv_cache, table, pages
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """A mixture of SwiGLU experts: token t's output is sum_j topk_weights[t, j] * expert
+    topk_ids[t, j] of x[t].
+
+    x: [T, H]; w_gate_up: [E, 2I, H] (each expert's gate rows, then its up rows); w_down: [E, H, I];
+    topk_weights: [T, k] (float32); topk_ids: [T, k] int. Math in float32; silu(gate) * up and
+    each weighted expert output are rounded to x's dtype, the k outputs summed in float32.
+    Returns [T, H] in x's dtype.
+    """
+    T, k = topk_ids.shape
+    out = torch.zeros(T, k, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        token, choice = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(x[token].float(), w_gate_up[e].float()).chunk(2, dim=-1)
+        inter = (F.silu(gate) * up).to(x.dtype)
+        y = F.linear(inter.float(), w_down[e].float()) * topk_weights[token, choice, None].float()
+        out[token, choice] = y.to(x.dtype).float()
+    return out.sum(1).to(x.dtype)

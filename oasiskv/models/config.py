@@ -1,8 +1,9 @@
 """Architecture description of a Llama-family decoder, and named presets.
 
-One `ModelConfig` covers Llama 2/3, SmolLM2, Qwen2 (qkv bias) and Qwen3
-(q/k RMSNorm). Presets mirror the published config.json of each model, so
-`--load-format dummy --model qwen3-8b` moves the same bytes as the real thing.
+One `ModelConfig` covers Llama 2/3, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and
+Qwen3-MoE (Qwen3 with a router over experts in place of the MLP). Presets mirror the published
+config.json of each model, so `--load-format dummy --model qwen3-8b` moves the same bytes as
+the real thing.
 """
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    # Qwen3-MoE: a layer's MLP is `num_experts` SwiGLU experts of width moe_intermediate_size, each
+    # token routed to num_experts_per_tok of them (0 experts: every layer is dense). A layer is
+    # dense if listed in mlp_only_layers or if (layer + 1) is not a multiple of decoder_sparse_step.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "custom"
@@ -34,6 +44,12 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..{self.num_experts}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def group_size(self) -> int:
@@ -43,17 +59,22 @@ class ModelConfig:
         # KV bytes per token: N_layer * 2 * N_kv * d_h * s (keys and values, every layer)
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    def num_params(self, active: bool = False) -> int:
+        """Every parameter; with `active`, a MoE layer counts only the experts one token runs
+        (top-k of them), as "A3B" in Qwen3-30B-A3B does."""
+        h, v = self.hidden_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        attention = h * (q + 2 * kv) + q * h + 2 * h
         if self.qkv_bias:
-            per_layer += q + 2 * kv
+            attention += q + 2 * kv
         if self.qk_norm:
-            per_layer += 2 * self.head_dim
+            attention += 2 * self.head_dim
+        experts = self.num_experts_per_tok if active else self.num_experts
+        mlp = [experts * 3 * h * self.moe_intermediate_size + self.num_experts * h  # experts + router
+               if self.is_moe_layer(i) else 3 * h * self.intermediate_size for i in range(self.num_layers)]
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return self.num_layers * attention + sum(mlp) + embed + h
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "custom") -> "ModelConfig":
@@ -71,6 +92,9 @@ class ModelConfig:
             rope_theta = rope_theta or params.get("rope_theta")
             if params.get("rope_type", "default") != "default":
                 rope_scaling = rope_scaling or params
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # transformers 5 writes the latter
+        if num_experts and model_type != "qwen3_moe":
+            raise ValueError(f"mixture-of-experts model type {model_type!r} is not supported (only qwen3_moe)")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -86,6 +110,12 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", is_qwen2 and not is_qwen3),
             qk_norm=is_qwen3,
+            num_experts=num_experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 8) if num_experts else 0,  # HF's defaults
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 768) if num_experts else 0,
+            norm_topk_prob=cfg.get("norm_topk_prob", False),
+            decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
@@ -113,6 +143,20 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, qk_norm=True, bos_token_id=151643, eos_token_ids=[151645]),
+    # Qwen3-30B-A3B: 48 layers, hidden 2048, 32 query / 4 KV heads of 128, 128 experts of width 768,
+    # top-8 renormalised, every layer MoE (intermediate_size 6144 is unused); 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, bos_token_id=151643, eos_token_ids=[151645]),
+    # Qwen3-235B-A22B: 94 layers, hidden 4096, 64 query / 4 KV heads of 128, 128 experts of width
+    # 1536, top-8 renormalised, every layer MoE; 235B parameters, 22B active.
+    "qwen3-235b-a22b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
+        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=1536, norm_topk_prob=True, bos_token_id=151643, eos_token_ids=[151645]),
     "llama-3.1-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,

@@ -1,10 +1,13 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+"""The Llama-family decoder: Llama 2/3, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), and
+Qwen3-MoE (a router over experts, layers/moe.py, in place of the MLP where the config says).
 
 Weights are loaded under Hugging Face names; q/k/v and gate/up are fused into one
-matmul each (fewer launches, one read of the activations).
+matmul each (fewer launches, one read of the activations), and a MoE layer's experts are
+stacked into one tensor per projection.
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -14,6 +17,7 @@ from torch import nn
 from oasiskv.layers.attention import AttentionMetadata, attend
 from oasiskv.kernels.qkv_epilogue import qkv_epilogue
 from oasiskv.layers.fused import add_rms_norm, rms_norm, silu_mul
+from oasiskv.layers.moe import MoeMLP
 from oasiskv.layers.rotary import RotaryEmbedding
 from oasiskv.models.config import ModelConfig
 
@@ -73,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, layer)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = MoeMLP(cfg) if cfg.is_moe_layer(layer) else LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -129,36 +133,62 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes still ship it
-            target, shard = name, None
-            for part, (fused, idx) in self._FUSED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(part, fused), idx
-                    break
+            target, part = self._destination(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[target]
+            dest = self._part(target, params[target], part)
+            _check_shape(name, dest.shape, tensor.shape)
             with torch.no_grad():
-                if shard is None:
-                    _check_shape(name, param.shape, tensor.shape)
-                    param.copy_(tensor)
-                else:
-                    start, size = self._shard_range(target, shard)
-                    _check_shape(name, param[start:start + size].shape, tensor.shape)
-                    param[start:start + size].copy_(tensor)
-            loaded.add((target, shard))
-        expected = {(n, None) for n in params if "qkv_proj" not in n and "gate_up_proj" not in n}
-        expected |= {(n, s) for n in params if "qkv_proj" in n for s in range(3)}
-        expected |= {(n, s) for n in params if "gate_up_proj" in n for s in range(2)}
-        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+                dest.copy_(tensor)
+            loaded.add((target, part))
+        expected = {(n, part) for n, p in params.items() for part in self._parts(n, p)}
+        missing = sorted(f"{n}{list(part) if part else ''}" for n, part in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _destination(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """The parameter a checkpoint tensor goes into and its part there: () the whole,
+        (shard,) of a fused q/k/v or gate/up, (expert,) or (expert, shard) of stacked experts."""
+        expert = _EXPERT.search(name)
+        if expert:
+            e, proj = int(expert[1]), expert[2]
+            stem = name[:expert.start()] + ".experts."
+            return (stem + "down_proj", (e,)) if proj == "down" else (stem + "gate_up_proj", (e, int(proj == "up")))
+        for part, (fused, idx) in self._FUSED.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), (idx,)
+        return name, ()
+
+    def _parts(self, name: str, param: torch.Tensor) -> list[tuple[int, ...]]:
+        """Every part `_destination` can name in the parameter: what a whole checkpoint fills."""
+        if ".experts." in name:
+            shards = [(s,) for s in range(2)] if "gate_up_proj" in name else [()]
+            return [(e, *s) for e in range(param.shape[0]) for s in shards]
+        if "qkv_proj" in name:
+            return [(s,) for s in range(3)]
+        if "gate_up_proj" in name:
+            return [(s,) for s in range(2)]
+        return [()]
+
+    def _part(self, target: str, param: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor:
+        if ".experts." in target:  # the expert's own [2I, H] or [H, I] first
+            param, part = param[part[0]], part[1:]
+        if not part:
+            return param
+        start, size = self._shard_range(target, part[0])
+        return param[start:start + size]
 
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
         cfg = self.config
         if "qkv_proj" in target:
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]
-        return shard * cfg.intermediate_size, cfg.intermediate_size
+        width = cfg.moe_intermediate_size if ".experts." in target else cfg.intermediate_size
+        return shard * width, width
+
+
+# A MoE layer's expert tensor in an HF checkpoint: `...mlp.experts.<e>.<gate|up|down>_proj.weight`.
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def _check_shape(name, want, got):

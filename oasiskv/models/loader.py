@@ -135,9 +135,16 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        if cfg.is_moe_layer(i):
+            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+            experts = [f"mlp.experts.{e}." for e in range(cfg.num_experts)]
+        else:
+            experts = ["mlp."]
+        width = cfg.moe_intermediate_size if cfg.is_moe_layer(i) else cfg.intermediate_size
+        for mlp in experts:
+            shapes[p + mlp + "gate_proj.weight"] = (width, h)
+            shapes[p + mlp + "up_proj.weight"] = (width, h)
+            shapes[p + mlp + "down_proj.weight"] = (h, width)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)

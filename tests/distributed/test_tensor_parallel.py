@@ -3,7 +3,7 @@
 Each engine here starts its ranks once per module. The default model (SmolLM2-135M: 9 query
 heads, 3 KV heads) runs at size 3, dense and sparse; a reduced Qwen3-shaped model with random
 weights (8 query heads, 4 KV heads) at sizes 2 and 4; a failed rank ends the engine (and the
-server) with an error.
+server) with an error. A tiny Qwen3-MoE's logits at size 2 are here; its engines, in test_qwen3_moe.py.
 """
 import argparse
 import json
@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 from server_client import call
+from tiny_qwen3_moe import save_tiny_qwen3_moe
 import torch
 
 from oasiskv import LLM, SamplingParams
@@ -106,11 +107,18 @@ def _prefill_logits(model, cfg, ids):
 def _reduced_source():
     # vocabulary 1001: the last rank's shard is padded at sizes 2 and 4
     return ModelSource("dummy", replace(ModelConfig.from_hf_dict(REDUCED_QWEN3), vocab_size=1001))
-@pytest.mark.parametrize("model, size", [("default", 3), ("reduced", 2), ("reduced", 4)])
-def test_sharded_model_logits_equal_the_whole_model(model, size):
+
+
+@pytest.mark.parametrize("model, size", [("default", 3), ("reduced", 2), ("reduced", 4), ("moe", 2)])
+def test_sharded_model_logits_equal_the_whole_model(model, size, tmp_path):
     """One thread per rank (Gloo): every rank's logits of a 24-token prompt equal the whole
-    model's to 1e-4 in float32 (the default model's GGUF weights; the reduced shape's random ones)."""
-    source = resolve_model(None) if model == "default" else _reduced_source()
+    model's to 1e-4 in float32 (the default model's GGUF weights; the reduced shape's random ones;
+    the MoE's, each rank holding half of every expert)."""
+    if model == "moe":
+        save_tiny_qwen3_moe(tmp_path)
+        source = resolve_model(str(tmp_path))
+    else:
+        source = resolve_model(None) if model == "default" else _reduced_source()
     cfg = source.config
     whole = LlamaForCausalLM(cfg)
     whole.load_weights(iter_weights(source, torch.float32))

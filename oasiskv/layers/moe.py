@@ -1,0 +1,45 @@
+"""Qwen3-MoE's MLP: a router sends each token to the top k of E SwiGLU experts.
+
+Parameter names follow HF's (`mlp.gate` is the router, `mlp.experts`); each expert's gate and
+up rows are stacked like the dense MLP's `gate_up_proj`, all experts in one tensor, so the fused
+kernel (kernels/fused_moe.py) reads any expert by its index.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oasiskv.kernels.fused_moe import fused_moe
+from oasiskv.models.config import ModelConfig
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]): the top k of the softmax over experts,
+    renormalised to sum to 1 if `renormalize` (the HF config's norm_topk_prob)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class MoeMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
