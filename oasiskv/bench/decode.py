@@ -23,9 +23,10 @@ import time
 
 import torch
 
-from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S, weight_bytes_per_step
+from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S
 from oasiskv.engine.sampler import read_host, to_host
 from oasiskv.entrypoints.args import engine_config
+from oasiskv.models.step_bytes import weight_bytes_per_step
 
 FETCH_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 1.0)
 TRANSFER_PRIORITIES = {"normal": 0, "high": -1}  # --transfer-priorities: torch stream priorities (lower is higher)
@@ -179,7 +180,7 @@ class DecodeBench:
             seqs.append(s)
 
         if self.overlap:
-            from oasiskv.engine.llm_engine import PENDING
+            from oasiskv.engine.sequence import PENDING
             in_flight = None
 
             def step():  # as LLMEngine._read_in_flight: launch t+1, then read t

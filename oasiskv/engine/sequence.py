@@ -9,6 +9,8 @@ import numpy as np
 
 from oasiskv.sampling_params import SamplingParams
 
+PENDING = -1  # an output token still on the device (async scheduling), never seen outside a step
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
