@@ -94,7 +94,7 @@ def check_qkv_epilogue(dtype, fold=None, norm=True, R=16, Q=2):
     heads: q and k, the stored cache, and (fold "kv" | "fp8") the summaries and draft copy."""
     from oasiskv.kernels.qkv_epilogue import SummaryFold, qkv_epilogue, qkv_epilogue_ref
     from oasiskv.layers.rotary import RotaryEmbedding
-    from oasiskv.sparse.summaries import update_block_minmax
+    from oasiskv.kernels.summary_fold import update_block_minmax
 
     T, NB = R * Q, 4 * R
     qkv = torch.randn(T, (HQ + 2 * HKV) * D, device=DEV, dtype=dtype)

@@ -27,6 +27,7 @@ import sys
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S
+from oasiskv.kernels.summary_fold import FP8, to_summary
 from oasiskv.sparse import block_scores
 from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_triton,
                                          score_blocks_ref, score_blocks_torch,
@@ -34,7 +35,6 @@ from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_
                                          topk_blocks)
 from oasiskv.sparse.capped_eviction import capped_eviction
 from oasiskv.sparse.pipeline import bounds_tiling
-from oasiskv.sparse.summaries import FP8, to_summary
 
 PEAK_TBS = HBM_BYTES_PER_S / 1e12
 HQ, HKV, D = 32, 8, 128  # Qwen3-8B attention heads
@@ -190,7 +190,7 @@ def check_graph_replay(R=16, max_blocks=512, k=64, cap=7):
 def check_summaries_graph(R=64, total=4096, dtype=torch.bfloat16, key_dtype=None):
     """update_block_minmax captured once, replayed on new rows: equal to an eager update (the
     pipeline's own fold, inside the qkv epilogue, is checked in gpu_check_kernels.py)."""
-    from oasiskv.sparse.summaries import update_block_minmax
+    from oasiskv.kernels.summary_fold import update_block_minmax
     kmin = to_summary(torch.randn(total, HKV, D, device=DEV) * 100, dtype)  # fp8: some past ±448
     kmax = to_summary(kmin.float() + 1, dtype)
     ids = torch.randperm(total, device=DEV)[:R]

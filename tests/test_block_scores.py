@@ -211,7 +211,7 @@ def run_interpreter_cases() -> dict:
     whether the top-K sets agree with the reference's (up to ties)."""
     from oasiskv.sparse.block_scores import (head_bounds_triton, score_blocks_triton,
                                              score_select_triton, score_topk_triton)
-    from oasiskv.sparse.summaries import FP8, to_summary
+    from oasiskv.kernels.summary_fold import FP8, to_summary
     results = {}
     for name, (R, Hkv, G, D, nbs, dtype, kw) in TRITON_CASES.items():
         q, kmin, kmax, off, nb, _ = make_inputs(R, Hkv, G, D, nbs, dtype, seed=len(name))
@@ -265,7 +265,7 @@ def dead_tiles_skipped_agree() -> dict:
     maxima, bit for bit, for rows empty, short, past a program's tiles and cut by a window, in
     bf16 and fp8 summaries."""
     from oasiskv.sparse import block_scores
-    from oasiskv.sparse.summaries import FP8, to_summary
+    from oasiskv.kernels.summary_fold import FP8, to_summary
     q, kmin, kmax, off, nb, _ = make_inputs(4, 2, 2, 16, [37, 0, 150, 9], torch.bfloat16, seed=9)
     out, saved = {}, block_scores.BOUNDS_SKIP_DEAD_TILES
     for name, (lo, hi, kw) in {"bf16": (kmin, kmax, {}),
