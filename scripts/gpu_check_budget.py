@@ -10,9 +10,10 @@ import json
 
 import torch
 
-from oasiskv.sparse.capped_eviction import capped_eviction_, eviction_marks
+from oasiskv.kernels.capped_eviction import eviction_marks
+from oasiskv.kernels.step_clock import stamp
+from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.fetch_budget import share_budget
-from oasiskv.sparse.step_clock import stamp
 
 
 def random_state(reqs, heads, K, P, blocks, gen):

@@ -1,5 +1,5 @@
-"""The package's imports, read with `ast`: no circle, no import from a lower layer into a higher
-one, and no type erased to `object`.
+"""The package's structure, read with `ast`: no import circle, no import from a lower layer into a
+higher one, no type erased to `object`, and every Triton kernel in `oasiskv/kernels/`.
 
 The layers, lowest first; a package imports only from its own layer or lower ones:
 
@@ -170,3 +170,12 @@ def test_no_type_is_erased_to_object():
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not found, "annotated `object` (a real type, a Protocol or a TYPE_CHECKING import instead):\n" + \
         "\n".join(found)
+
+
+def test_every_triton_kernel_is_in_kernels():
+    outside = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}"
+               for m, path in sorted(MODULES.items()) if not m.startswith("oasiskv.kernels.")
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.FunctionDef) and any(ast.unparse(d).startswith("triton.")
+                                                            for d in node.decorator_list)]
+    assert not outside, "Triton kernels outside oasiskv/kernels/:\n" + "\n".join(outside)
