@@ -148,7 +148,7 @@ def check_graph_step(results: dict) -> None:
                        max_num_seqs=4, kv_cache_gb=8, enforce_eager=True)
     r = ModelRunner(cfg)
     mc = r.model_config
-    sc = dataclasses.replace(cfg.sparse_config(), enabled=True, top_k_blocks=32, fetch_ratio=0.1)
+    sc = dataclasses.replace(cfg.sparse, enabled=True, top_k_blocks=32, fetch_ratio=0.1)
     B, ctx, bs = 4, 3000, r.block_size
     nb = (ctx + 64) // bs + 1
     host = HostKVPool(0, bs, mc.head_dim, r.dtype, pin=True, num_items=B * mc.num_layers * nb * mc.num_kv_heads)

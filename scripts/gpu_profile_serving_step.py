@@ -195,14 +195,14 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     block_select.SELECT_DIGIT_BITS = knobs.get("g", DEFAULT_SELECT_BITS)
     block_bounds.BOUNDS_SKIP_DEAD_TILES = bool(knobs.get("x", DEFAULT_SKIP_DEAD))
     fetch_budget.STALL_TARGET = knobs.get("m", DEFAULT_STALL_TARGET * 100) / 100  # m: the margin's stall target
-    cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
-                       enforce_eager=bool(knobs.get("e", 0)),
-                       summary_dtype={None: "auto", 0: "kv"}.get(knobs.get("u"), "fp8"),
-                       sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
-                       fetch_budget=budget if sparse else "auto",
-                       **({"fetch_ratio": knobs["r"] / 100} if "r" in knobs else {}),  # r: the per-head cap
-                       max_num_seqs=a.max_num_seqs or max(a.rows, 16),
-                       max_model_len=a.max_model_len or a.context + a.steps + 64)
+    cfg = EngineConfig.from_flat(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
+                                 enforce_eager=bool(knobs.get("e", 0)),
+                                 summary_dtype={None: "auto", 0: "kv"}.get(knobs.get("u"), "fp8"),
+                                 sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
+                                 fetch_budget=budget if sparse else "auto",
+                                 **({"fetch_ratio": knobs["r"] / 100} if "r" in knobs else {}),  # r: per-head cap
+                                 max_num_seqs=a.max_num_seqs or max(a.rows, 16),
+                                 max_model_len=a.max_model_len or a.context + a.steps + 64)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     row = {"case": case, "rows": a.rows, "context": a.context, "max_num_seqs": cfg.max_num_seqs,

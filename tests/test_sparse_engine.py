@@ -101,7 +101,7 @@ def test_small_budget_caps_traffic(prompt):
 def test_bad_sparse_flags(kwargs, words):
     from oasiskv.config import EngineConfig
     with pytest.raises(ValueError, match=words):
-        EngineConfig(sparse=True, **kwargs)
+        EngineConfig.from_flat(sparse=True, **kwargs)
 
 
 def test_host_pool_too_small_makes_request_wait(prompt):
