@@ -12,10 +12,9 @@ The layers, lowest first; a package imports only from its own layer or lower one
 - disagg: prefill and decode instances, engines built on `LLMEngine`.
 - entrypoints, bench, eval and the package root (`oasiskv/__init__.py` exports `LLM`).
 
-What counts: an import at module level (class bodies and `try:` blocks included) and one inside
-a function both run, so both obey the layers; only module-level ones can close a circle at import
-time. An import under `if TYPE_CHECKING:` runs nothing: it names a type for annotations and is
-exempt from both checks.
+What counts: every import that runs, at module level or inside a function (an import delayed
+into a function to dodge a circle still closes it). An import under `if TYPE_CHECKING:` runs
+nothing: it names a type for annotations and is exempt from both checks.
 """
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ class Import:
     source: str  # the importing module, e.g. oasiskv.engine.llm_engine
     target: str  # the imported oasiskv module
     line: int
-    module_level: bool  # False: inside a function
 
 
 def module_name(path: Path) -> str:
@@ -77,21 +75,18 @@ def is_type_checking(test: ast.expr) -> bool:
 def imports_of(source: str) -> list[Import]:
     found: list[Import] = []
 
-    def visit(node: ast.AST, module_level: bool) -> None:
+    def visit(node: ast.AST) -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for name in imported_names(node, source):
                 if name == "oasiskv" or name.startswith("oasiskv."):
-                    found.append(Import(source, resolve(name), node.lineno, module_level))
+                    found.append(Import(source, resolve(name), node.lineno))
             return
-        if isinstance(node, ast.If) and is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child, module_level)
-            return
-        inner = module_level and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-        for child in ast.iter_child_nodes(node):
-            visit(child, inner)
+        children = node.orelse if isinstance(node, ast.If) and is_type_checking(node.test) else \
+            ast.iter_child_nodes(node)
+        for child in children:
+            visit(child)
 
-    visit(ast.parse(MODULES[source].read_text()), True)
+    visit(ast.parse(MODULES[source].read_text()))
     return found
 
 
@@ -112,10 +107,10 @@ def test_every_package_has_a_layer():
         layer(m)  # StopIteration names a package the list above lacks
 
 
-def test_no_import_circle_at_module_level():
+def test_no_import_circle():
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     for i in ALL_IMPORTS:
-        if i.module_level and i.target != i.source:
+        if i.target != i.source:
             graph[i.source].add(i.target)
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
