@@ -1,9 +1,14 @@
-"""Engine settings (the flag names follow vLLM's where one exists)."""
+"""Engine settings (the flag names follow vLLM's where one exists). Sparse decode's settings are a
+nested `SparseConfig`, as vLLM nests its configs; users and the CLI pass them as flat keywords
+(`LLM(model, sparse=True, top_k_blocks=32)`), which `EngineConfig.from_flat` maps."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 from oasiskv.sparse.config import SparseConfig, auto_threshold
+
+# The flat keyword of each SparseConfig field: `sparse` turns it on, the others keep their names.
+SPARSE_FLAGS = {"sparse": "enabled"} | {f.name: f.name for f in fields(SparseConfig) if f.name != "enabled"}
 
 
 @dataclass(slots=True)
@@ -22,33 +27,34 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     max_cuda_graph_batch: int = 256
-    # sparse decode (SparseConfig holds the meaning of each)
-    sparse: bool = False
-    top_k_blocks: int = 128
-    sink_blocks: int = 1
-    window_blocks: int = 4
-    sparse_threshold: int | None = None  # None: sparse.config.auto_threshold (set at construction)
-    fetch_ratio: float = 0.05
-    drafter: str = "self"
-    host_kv_gb: float = 4.0
+    sparse: SparseConfig = field(default_factory=SparseConfig)  # sparse decode, off by default
     # A decode instance (serve --role decode): GiB of host arena for its admitted requests' items
     # (`disagg.LocalItems`; pinned and mapped for the pipeline); None elsewhere.
     remote_kv_gb: float | None = None
     # Decode role: the remote reads a step asks per (layer, KV head), its best-ranked misses;
     # None: the fetch cap C (what the selection admits a step), 0: every predicted block.
     rpf_want_per_head: int | None = None
-    summary_dtype: str = "auto"
-    fetch_budget: str | float = "auto"  # transfer budget per step: auto | off | MB
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
     enable_prefix_caching: bool = True  # share cached leading blocks between requests (vLLM v1's default)
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
     tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is split over
     distributed_timeout_s: float = 300.0  # the longest a collective between ranks may wait
 
+    @classmethod
+    def from_flat(cls, **kwargs) -> EngineConfig:
+        """An EngineConfig from flat keywords: EngineConfig's fields, and SparseConfig's by their
+        SPARSE_FLAGS names."""
+        unknown = sorted(set(kwargs) - set(SPARSE_FLAGS) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        sparse = {name: kwargs.pop(flag) for flag, name in SPARSE_FLAGS.items() if flag in kwargs}
+        return cls(**kwargs, sparse=SparseConfig(**sparse))
+
     def __post_init__(self):
-        if self.sparse_threshold is None:
-            self.sparse_threshold = auto_threshold(self.top_k_blocks, self.sink_blocks, self.window_blocks,
-                                                   self.block_size)
+        s = self.sparse
+        if s.sparse_threshold is None:  # the one default: it depends on the block size, set here
+            self.sparse = replace(s, sparse_threshold=auto_threshold(s.top_k_blocks, s.sink_blocks, s.window_blocks,
+                                                                     self.block_size))
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -69,26 +75,25 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.sparse_pipeline not in ("auto", "on", "off"):
             raise ValueError(f"sparse_pipeline must be auto, on or off, got {self.sparse_pipeline!r}")
-        if self.sparse_pipeline == "on" and self.drafter in ("oracle", "ondemand"):
-            raise ValueError(f"the {self.drafter} drafter runs on the in-line path only: use --sparse-pipeline off")
+        drafter = self.sparse.drafter
+        if self.sparse_pipeline == "on" and drafter in ("oracle", "ondemand"):
+            raise ValueError(f"the {drafter} drafter runs on the in-line path only: use --sparse-pipeline off")
         if self.tensor_parallel_size > 1:
             self._check_parallel()
-        sc = self.sparse_config()  # validates the sparse flags
+        sc = self.sparse
         if sc.enabled and sc.sparse_threshold <= (sc.sink_blocks + sc.window_blocks) * self.block_size:
             raise ValueError(f"--sparse-threshold {sc.sparse_threshold} must exceed the sink and window "
                              f"blocks ({sc.sink_blocks} + {sc.window_blocks}) x block size {self.block_size}")
 
     def _check_parallel(self) -> None:
-        if self.drafter == "oracle":
+        if self.sparse.drafter == "oracle":
             raise ValueError("the oracle drafter does not run with --tensor-parallel-size > 1")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
 
-    def sparse_config(self) -> SparseConfig:
-        return SparseConfig(enabled=self.sparse, top_k_blocks=self.top_k_blocks, sink_blocks=self.sink_blocks,
-                            window_blocks=self.window_blocks, sparse_threshold=self.sparse_threshold,
-                            fetch_ratio=self.fetch_ratio, drafter=self.drafter, host_kv_gb=self.host_kv_gb,
-                            summary_dtype=self.summary_dtype, fetch_budget=self.fetch_budget)
+    def with_sparse(self, **changes) -> EngineConfig:
+        """A copy whose SparseConfig has these fields changed (e.g. `enabled=True, top_k_blocks=64`)."""
+        return replace(self, sparse=replace(self.sparse, **changes))
 
     def want_per_head(self) -> int:
         """A decode instance's remote reads per (layer, KV head) and step (0: every predicted block)."""
@@ -96,4 +101,4 @@ class EngineConfig:
             if self.rpf_want_per_head < 0:
                 raise ValueError(f"--rpf-want-per-head must be >= 0, got {self.rpf_want_per_head}")
             return self.rpf_want_per_head
-        return self.sparse_config().fetch_cap
+        return self.sparse.fetch_cap

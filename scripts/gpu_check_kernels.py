@@ -94,7 +94,7 @@ def check_qkv_epilogue(dtype, fold=None, norm=True, R=16, Q=2):
     heads: q and k, the stored cache, and (fold "kv" | "fp8") the summaries and draft copy."""
     from oasiskv.kernels.qkv_epilogue import SummaryFold, qkv_epilogue, qkv_epilogue_ref
     from oasiskv.layers.rotary import RotaryEmbedding
-    from oasiskv.sparse.summaries import update_block_minmax
+    from oasiskv.kernels.summary_fold import update_block_minmax
 
     T, NB = R * Q, 4 * R
     qkv = torch.randn(T, (HQ + 2 * HKV) * D, device=DEV, dtype=dtype)
@@ -133,10 +133,10 @@ def check_qkv_epilogue(dtype, fold=None, norm=True, R=16, Q=2):
 
 
 def check_step_tables(L=36, R=16, H=HKV, S=1, K=128, W=4):
-    """The step's foreground tables (sparse/step_tables.py), the kernel against the torch form
+    """The step's foreground tables (kernels/step_tables.py), the kernel against the torch form
     on random pipeline states at the qwen3-8b shape: every output equal, the last step's
     write-through kept."""
-    from oasiskv.sparse.step_tables import RowState, WriteThrough, step_tables_torch, step_tables_triton
+    from oasiskv.kernels.step_tables import RowState, WriteThrough, step_tables_torch, step_tables_triton
     gen = torch.Generator(device=DEV).manual_seed(5)
     P = S + K + W
     cached = torch.randint(0, 2048 * BS, (R,), generator=gen, device=DEV, dtype=torch.int32)

@@ -20,8 +20,9 @@ import torch
 sys.path.insert(0, "tests")
 from test_pipeline_kernels import random_eviction_inputs  # noqa: E402
 
+from oasiskv.kernels.capped_eviction import capped_eviction_triton, eviction_marks  # noqa: E402
 from oasiskv.kernels.copy_items import copy_items, device_view  # noqa: E402
-from oasiskv.sparse.capped_eviction import _capped_eviction_triton, capped_eviction_, eviction_marks  # noqa: E402
+from oasiskv.sparse.capped_eviction import capped_eviction_  # noqa: E402
 from oasiskv.sparse.host_pool import HostKVPool  # noqa: E402
 
 dev = torch.device("cuda")
@@ -39,7 +40,7 @@ def check_eviction(results: dict) -> None:
                 _, _, pred, win = random_eviction_inputs(reqs, heads, K, P, blocks, 1, gen)
             R = reqs * heads
             outs = []
-            for fn, d, (r, l) in ((capped_eviction_, "cpu", (res, last)), (_capped_eviction_triton, "cuda", (g_res, g_last))):
+            for fn, d, (r, l) in ((capped_eviction_, "cpu", (res, last)), (capped_eviction_triton, "cuda", (g_res, g_last))):
                 ab = torch.full((R, cap), -1, dtype=torch.int32, device=d)
                 asl = torch.full_like(ab, -1)
                 st = torch.zeros(R, 4, dtype=torch.long, device=d)
@@ -55,7 +56,7 @@ def check_eviction(results: dict) -> None:
         step_t = torch.tensor(9, dtype=torch.int32, device=dev)
         gp, gw = pred.to(dev), win.to(dev)
         marks = eviction_marks(R, blocks, dev)
-        run = lambda: _capped_eviction_triton(g_res, g_last, gp, 1, gw, heads, cap, step_t, ab, asl, st,  # noqa: E731
+        run = lambda: capped_eviction_triton(g_res, g_last, gp, 1, gw, heads, cap, step_t, ab, asl, st,  # noqa: E731
                                               marks=marks)
         results[f"eviction R={R} K={K} C={cap} us"] = 1e3 * time_graph(run)
         results[f"eviction R={R} K={K} C={cap} marks left"] = int((marks != -1).sum())
@@ -147,7 +148,7 @@ def check_graph_step(results: dict) -> None:
                        max_num_seqs=4, kv_cache_gb=8, enforce_eager=True)
     r = ModelRunner(cfg)
     mc = r.model_config
-    sc = dataclasses.replace(cfg.sparse_config(), enabled=True, top_k_blocks=32, fetch_ratio=0.1)
+    sc = dataclasses.replace(cfg.sparse, enabled=True, top_k_blocks=32, fetch_ratio=0.1)
     B, ctx, bs = 4, 3000, r.block_size
     nb = (ctx + 64) // bs + 1
     host = HostKVPool(0, bs, mc.head_dim, r.dtype, pin=True, num_items=B * mc.num_layers * nb * mc.num_kv_heads)

@@ -27,14 +27,14 @@ import sys
 import torch
 
 from oasiskv.bench.roofline import HBM_BYTES_PER_S
-from oasiskv.sparse import block_scores
-from oasiskv.sparse.block_scores import (COMBINES, head_bounds_ref, head_bounds_triton,
-                                         score_blocks_ref, score_blocks_torch,
-                                         score_blocks_triton, score_select_triton, score_topk_triton,
+from oasiskv.kernels import block_bounds, block_select
+from oasiskv.kernels.block_bounds import COMBINES, head_bounds_triton, score_blocks_triton
+from oasiskv.kernels.block_select import score_select_triton
+from oasiskv.kernels.summary_fold import FP8, to_summary
+from oasiskv.sparse.block_scores import (head_bounds_ref, score_blocks_ref, score_blocks_torch, score_topk_triton,
                                          topk_blocks)
 from oasiskv.sparse.capped_eviction import capped_eviction
 from oasiskv.sparse.pipeline import bounds_tiling
-from oasiskv.sparse.summaries import FP8, to_summary
 
 PEAK_TBS = HBM_BYTES_PER_S / 1e12
 HQ, HKV, D = 32, 8, 128  # Qwen3-8B attention heads
@@ -190,7 +190,7 @@ def check_graph_replay(R=16, max_blocks=512, k=64, cap=7):
 def check_summaries_graph(R=64, total=4096, dtype=torch.bfloat16, key_dtype=None):
     """update_block_minmax captured once, replayed on new rows: equal to an eager update (the
     pipeline's own fold, inside the qkv epilogue, is checked in gpu_check_kernels.py)."""
-    from oasiskv.sparse.summaries import update_block_minmax
+    from oasiskv.kernels.summary_fold import update_block_minmax
     kmin = to_summary(torch.randn(total, HKV, D, device=DEV) * 100, dtype)  # fp8: some past ±448
     kmax = to_summary(kmin.float() + 1, dtype)
     ids = torch.randperm(total, device=DEV)[:R]
@@ -272,24 +272,24 @@ def run_timings(R=16, max_blocks=2048, k=128, sweep=True):
     sel = (torch.empty(R * HKV, k, dtype=torch.int32, device=DEV), torch.empty(R * HKV, k, device=DEV))
     rows.append((f"fused select fp8, k={k}", bench(lambda: score_select_triton(
         q, kmin8, kmax8, off, nb, G, k, max_blocks, out=sel)), dict(summary_bytes=nbytes // 2)))
-    default = block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES
-    block_scores.SELECT_MAX_COMPARES = 1 << 30
+    default = block_select.SELECT_DIGIT_BITS, block_select.SELECT_MAX_COMPARES
+    block_select.SELECT_MAX_COMPARES = 1 << 30
     for bits in (1, 2, 4, 8):  # the select's threshold search, this many bits a pass on any row
-        block_scores.SELECT_DIGIT_BITS = bits
+        block_select.SELECT_DIGIT_BITS = bits
         rows.append((f"fused select fp8, k={k}, {bits} bits", bench(lambda: score_select_triton(
             q, kmin8, kmax8, off, nb, G, k, max_blocks, out=sel)), dict(summary_bytes=nbytes // 2)))
-    block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES = default
+    block_select.SELECT_DIGIT_BITS, block_select.SELECT_MAX_COMPARES = default
     # Rows 60% full (a server's rows past half a scan width), the pipeline's tiling: the bounds
     # with the tiles past each row's end computed and skipped.
     part = torch.full_like(nb, int(0.6 * max_blocks))
     tile, tpp, stages = bounds_tiling(max_blocks)
-    default_skip = block_scores.BOUNDS_SKIP_DEAD_TILES
+    default_skip = block_bounds.BOUNDS_SKIP_DEAD_TILES
     for skip in (False, True):
-        block_scores.BOUNDS_SKIP_DEAD_TILES = skip
+        block_bounds.BOUNDS_SKIP_DEAD_TILES = skip
         rows.append((f"bounds fp8, rows 60%, skip dead {int(skip)}", bench(lambda: head_bounds_triton(
             q, kmin8, kmax8, off, part, G, max_blocks, out=bounds, block_tile=tile, tiles_per_program=tpp,
             stages=stages)), dict(summary_bytes=int(0.6 * nbytes) // 2)))
-    block_scores.BOUNDS_SKIP_DEAD_TILES = default_skip
+    block_bounds.BOUNDS_SKIP_DEAD_TILES = default_skip
     for name, us, cfg in rows:
         gbs = cfg.get("summary_bytes", nbytes) / us / 1e3 if "topk only" not in name else float("nan")
         results["score_table"].append(dict(what=name, rows=R, blocks=max_blocks, us=round(us, 1),

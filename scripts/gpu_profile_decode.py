@@ -11,10 +11,11 @@ import time
 
 import torch
 
-from oasiskv.bench.roofline import HBM_BYTES_PER_S, kv_bytes_per_step, weight_bytes_per_step
+from oasiskv.bench.roofline import HBM_BYTES_PER_S
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
 from oasiskv.engine.sampler import sample
+from oasiskv.models.step_bytes import kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.sampling_params import SamplingParams
 
 

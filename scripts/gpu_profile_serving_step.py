@@ -23,9 +23,9 @@ import torch
 
 from oasiskv.config import EngineConfig
 from oasiskv.engine.llm_engine import LLMEngine
+from oasiskv.kernels.block_bounds import BOUNDS_SKIP_DEAD_TILES as DEFAULT_SKIP_DEAD
+from oasiskv.kernels.block_select import SELECT_DIGIT_BITS as DEFAULT_SELECT_BITS
 from oasiskv.sampling_params import SamplingParams
-from oasiskv.sparse.block_scores import BOUNDS_SKIP_DEAD_TILES as DEFAULT_SKIP_DEAD
-from oasiskv.sparse.block_scores import SELECT_DIGIT_BITS as DEFAULT_SELECT_BITS
 from oasiskv.sparse.fetch_budget import STALL_TARGET as DEFAULT_STALL_TARGET
 from oasiskv.sparse.pipeline import BOUNDS_PROGRAMS_PER_HEAD as DEFAULT_BOUNDS_PROGRAMS
 
@@ -188,20 +188,21 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", DEFAULT_BOUNDS_PROGRAMS)  # b: per (request, kv head)
     from oasiskv.sparse import device_drafts  # d0: the drafts' rule as torch ops
     device_drafts.LOOKUP_KERNEL = bool(knobs.get("d", 1))
-    from oasiskv.sparse import fetch_budget  # h: candidates a share program takes (fewer programs)
-    fetch_budget.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
-    from oasiskv.sparse import block_scores  # g: bits a pass of the select's threshold search
-    block_scores.SELECT_DIGIT_BITS = knobs.get("g", DEFAULT_SELECT_BITS)
-    block_scores.BOUNDS_SKIP_DEAD_TILES = bool(knobs.get("x", DEFAULT_SKIP_DEAD))
+    from oasiskv.kernels import budget_share  # h: candidates a share program takes (fewer programs)
+    budget_share.SHARE_TILE_CANDIDATES = knobs.get("h", 64)
+    from oasiskv.sparse import fetch_budget
+    from oasiskv.kernels import block_bounds, block_select  # g: bits a pass of the select's threshold search
+    block_select.SELECT_DIGIT_BITS = knobs.get("g", DEFAULT_SELECT_BITS)
+    block_bounds.BOUNDS_SKIP_DEAD_TILES = bool(knobs.get("x", DEFAULT_SKIP_DEAD))
     fetch_budget.STALL_TARGET = knobs.get("m", DEFAULT_STALL_TARGET * 100) / 100  # m: the margin's stall target
-    cfg = EngineConfig(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
-                       enforce_eager=bool(knobs.get("e", 0)),
-                       summary_dtype={None: "auto", 0: "kv"}.get(knobs.get("u"), "fp8"),
-                       sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
-                       fetch_budget=budget if sparse else "auto",
-                       **({"fetch_ratio": knobs["r"] / 100} if "r" in knobs else {}),  # r: the per-head cap
-                       max_num_seqs=a.max_num_seqs or max(a.rows, 16),
-                       max_model_len=a.max_model_len or a.context + a.steps + 64)
+    cfg = EngineConfig.from_flat(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
+                                 enforce_eager=bool(knobs.get("e", 0)),
+                                 summary_dtype={None: "auto", 0: "kv"}.get(knobs.get("u"), "fp8"),
+                                 sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
+                                 fetch_budget=budget if sparse else "auto",
+                                 **({"fetch_ratio": knobs["r"] / 100} if "r" in knobs else {}),  # r: per-head cap
+                                 max_num_seqs=a.max_num_seqs or max(a.rows, 16),
+                                 max_model_len=a.max_model_len or a.context + a.steps + 64)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     row = {"case": case, "rows": a.rows, "context": a.context, "max_num_seqs": cfg.max_num_seqs,

@@ -23,9 +23,10 @@ import time
 
 import torch
 
-from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S, weight_bytes_per_step
+from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S
 from oasiskv.engine.sampler import read_host, to_host
 from oasiskv.entrypoints.args import engine_config
+from oasiskv.models.step_bytes import weight_bytes_per_step
 
 FETCH_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 1.0)
 TRANSFER_PRIORITIES = {"normal": 0, "high": -1}  # --transfer-priorities: torch stream priorities (lower is higher)
@@ -118,7 +119,7 @@ class DecodeBench:
         contexts = _ints(args.context_lens) if args.sweep else [args.context_len]
         self.tail = args.warmup + args.steps + 2 * 16 + 1  # room for decoded tokens and capture warm-ups
         cfg = engine_config(args)
-        cfg = dataclasses.replace(cfg, sparse=False, max_model_len=max(contexts) + self.tail,
+        cfg = dataclasses.replace(cfg.with_sparse(enabled=False), max_model_len=max(contexts) + self.tail,
                                   max_num_seqs=max(max(batches), args.batch_size))
         t0 = time.perf_counter()
         if group is None:
@@ -135,7 +136,7 @@ class DecodeBench:
         r.kv.normal_()  # synthetic KV everywhere in the GPU pool
         self.host = None
         self.host_setup_s = self.host_huge_gb = None
-        self.sparse_cfg = dataclasses.replace(cfg.sparse_config(), enabled=True)  # validates the flags
+        self.sparse_cfg = dataclasses.replace(cfg.sparse, enabled=True)  # validates the flags
         if args.summary_dtypes:  # runs not swept over it (ablation, capacity, no-prefetch) take the first
             self.sparse_cfg = dataclasses.replace(self.sparse_cfg, summary_dtype=args.summary_dtypes.split(",")[0])
         self.overlap = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto" and r.device.type == "cuda")
@@ -179,7 +180,7 @@ class DecodeBench:
             seqs.append(s)
 
         if self.overlap:
-            from oasiskv.engine.llm_engine import PENDING
+            from oasiskv.engine.sequence import PENDING
             in_flight = None
 
             def step():  # as LLMEngine._read_in_flight: launch t+1, then read t
@@ -353,7 +354,7 @@ class DecodeBench:
         if self.host is None:
             mc, r = self.mc, self.runner
             t0 = time.perf_counter()
-            self.host = HostKVPool(r.cfg.host_kv_gb, self.bs, mc.head_dim, r.dtype, pin=r.device.type == "cuda",
+            self.host = HostKVPool(r.cfg.sparse.host_kv_gb, self.bs, mc.head_dim, r.dtype, pin=r.device.type == "cuda",
                                    huge_pages=self.args.host_pages == "huge")
             flat = self.host.items.view(-1)
             chunk = torch.randn(min(flat.numel(), 2**28), dtype=r.dtype, device=r.device)
@@ -424,7 +425,7 @@ class DecodeBench:
         dense_max = int(budget // (self.blocks(context) * self.page_bytes))
         per_sparse = self.sparse_cfg.working_set_blocks * self.page_bytes + self.summary_bytes(context)
         sparse_gpu_max = int(budget // per_sparse)
-        host_gb = self.runner.cfg.host_kv_gb  # the rank's share above size 1
+        host_gb = self.runner.cfg.sparse.host_kv_gb  # the rank's share above size 1
         host_max = int(host_gb * 2**30 // self.host_bytes(context))
         sparse_max = min(sparse_gpu_max, host_max)
         out = {"context": context, "gpu_kv_gb": gpu_kv_gb, "dense_max_batch": dense_max,

@@ -93,7 +93,7 @@ def warm_up(engine) -> None:
 
     n = min(engine.config.max_num_batched_tokens + 64, engine.max_model_len - 8)
     if engine.runner.sparse is not None:
-        n = min(max(n, engine.config.sparse_threshold + 64), engine.max_model_len - 8)
+        n = min(max(n, engine.config.sparse.sparse_threshold + 64), engine.max_model_len - 8)
     n = min(n, (engine.block_manager.num_pages - 1) * engine.config.block_size)  # a small GPU pool's room
     engine.add_request(list(range(n)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():

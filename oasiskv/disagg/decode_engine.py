@@ -47,9 +47,9 @@ class DecodeEngine(LLMEngine):
         link_gbps: the remote reads' byte budget per step is what this link carries during
         the previous decode step (None: no budget); max_read_bytes: the size of a full
         transfer's reads."""
-        if not config.sparse:
+        if not config.sparse.enabled:
             raise ValueError("the decode role needs sparse decode (--sparse)")
-        gb = remote_kv_gb if remote_kv_gb is not None else config.host_kv_gb
+        gb = remote_kv_gb if remote_kv_gb is not None else config.sparse.host_kv_gb
         super().__init__(dataclasses.replace(config, remote_kv_gb=gb))
         m = self.runner.sparse
         self.store = LocalItems.over(self.runner.remote_items)  # the arena the pipeline reads

@@ -27,9 +27,9 @@ from oasiskv.disagg.admission import Admission, admit_full, admit_rpf, held_posi
 from oasiskv.disagg.full_transfer import FullTransfer
 from oasiskv.disagg.remote_reads import HostArenaFull, RemoteReads
 from oasiskv.engine.sequence import Sequence, SequenceStatus
+from oasiskv.kernels.summary_fold import to_summary
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sparse.drafters import TokenHistory
-from oasiskv.sparse.summaries import to_summary
 from oasiskv.sparse.working_set import WorkingSet
 
 # How a request whose prefill peer failed ends (the server answers it with 502).

@@ -20,9 +20,13 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from nixl_cu12 import nixl_xfer_handle  # nixl_cu13 on CUDA 13 hosts: the same class
 
 DEFAULT_READ_TIMEOUT_S = 5.0
 
@@ -50,13 +54,13 @@ class PeerDisconnected(TransportError):
 
 @dataclass
 class PendingRead:
-    """One posted batched read. `state` belongs to the implementation."""
+    """One posted batched read."""
     peer: str
     nbytes: int
     deadline: float
     done: bool = False
     error: TransportError | None = None
-    state: object = field(default=None, repr=False)
+    state: nixl_xfer_handle | None = field(default=None, repr=False)  # NIXL's transfer, while posted
 
 
 def as_extents(remote: np.ndarray | list, local_offsets: np.ndarray | list) -> tuple[np.ndarray, np.ndarray]:

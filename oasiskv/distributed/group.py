@@ -34,8 +34,8 @@ def free_port() -> int:
 class ParallelGroup:
     rank: int
     size: int
-    device_group: object  # collectives on the model's tensors
-    cpu_group: object  # Gloo: step inputs and host integers
+    device_group: dist.ProcessGroupNCCL | dist.ProcessGroupGloo  # collectives on the model's tensors
+    cpu_group: dist.ProcessGroupGloo  # step inputs and host integers
     timeout: timedelta
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from oasiskv.engine.llm_engine import PENDING
 from oasiskv.engine.scheduler import ScheduledBatch
-from oasiskv.engine.sequence import Sequence
+from oasiskv.engine.sequence import PENDING, Sequence
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sparse.host_pool import HostExtent
 

@@ -33,8 +33,8 @@ def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
 def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
     """The settings one rank's runner runs under: its device, its share of the host pool; CUDA
     graphs are not captured yet (the collectives inside them are not set up)."""
-    return replace(cfg, device=str(rank_device(cfg, rank)), host_kv_gb=cfg.host_kv_gb / cfg.tensor_parallel_size,
-                   enforce_eager=True)
+    host_share = cfg.with_sparse(host_kv_gb=cfg.sparse.host_kv_gb / cfg.tensor_parallel_size)
+    return replace(host_share, device=str(rank_device(cfg, rank)), enforce_eager=True)
 
 
 def share_cpu_threads(size: int) -> None:

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from oasiskv.engine.llm_engine import LLMEngine, RequestOutput
@@ -90,7 +91,7 @@ class _Abort:
 
 @dataclass
 class _Call:
-    fn: object  # fn(engine) -> list[RequestOutput] | None, run on the engine thread
+    fn: Callable[[LLMEngine], list[RequestOutput] | None]  # run on the engine thread
 
 
 class _Stop:
@@ -145,7 +146,7 @@ class AsyncEngine:
         stream.accepted.result()
         return stream
 
-    def call_soon(self, fn) -> None:
+    def call_soon(self, fn: Callable[[LLMEngine], list[RequestOutput] | None]) -> None:
         """Run fn(engine) on the engine thread between steps, idle or not (safe from any thread);
         the outputs it returns go to their streams. An exception in it is logged, not fatal."""
         self._commands.put(_Call(fn))

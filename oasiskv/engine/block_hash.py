@@ -16,7 +16,7 @@ from array import array
 from oasiskv.engine.sequence import Sequence
 
 
-def engine_salt(*identity: object) -> bytes:
+def engine_salt(*identity: str | int | dict | None) -> bytes:
     """The root of every chain: a hash of what, besides the tokens, decides the K/V."""
     return hashlib.sha256(repr(identity).encode()).digest()
 

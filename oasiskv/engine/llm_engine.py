@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oasiskv.bench.roofline import kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.config import EngineConfig
 from oasiskv.engine.block_hash import engine_salt
 from oasiskv.engine.block_manager import BlockManager
@@ -16,13 +15,12 @@ from oasiskv.engine.memory_plan import gpu_bytes_by_kind
 from oasiskv.engine.model_runner import ModelRunner
 from oasiskv.engine.sampler import on_device, read_host
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
-from oasiskv.engine.sequence import Sequence, SequenceStatus
+from oasiskv.engine.sequence import PENDING, Sequence, SequenceStatus
+from oasiskv.models.step_bytes import kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.models.tokenizer import load_tokenizer
 from oasiskv.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-PENDING = -1  # stands for a token still on the device (async scheduling), never seen outside step()
 
 
 @dataclass
@@ -33,7 +31,7 @@ class InFlight:
     host_tokens: torch.Tensor  # their copy in pinned host memory, complete once `ready` fires
     ready: torch.cuda.Event | None  # None on CPU
     launched: float
-    runner: object = None  # set for a batch of sparse pipeline rows, whose pairs it reads
+    runner: ModelRunner | None = None  # set for a batch of sparse pipeline rows, whose pairs it reads
 
     @classmethod
     def launch(cls, runner, batch: ScheduledBatch, ids: torch.Tensor | None = None) -> "InFlight":

@@ -67,7 +67,7 @@ class ModelRunner(SparseDecodeMixin):
         self.kv = torch.empty(mc.num_layers, self.num_pages * self.num_kv_heads, 2, self.block_size,
                               self.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv.unbind(0))
-        sc = cfg.sparse_config()
+        sc = cfg.sparse
         self.sparse = SparseManager(sc, mc, self.kv, self.block_size) if sc.enabled else None
         self.pipeline = None
         # A decode instance's arena of received items (`disagg.LocalItems` hands it out).
@@ -133,9 +133,9 @@ class ModelRunner(SparseDecodeMixin):
         on side streams, one CUDA graph per step) on CUDA; the in-line per-request path stays for
         the oracle and on-demand drafters and as the reference on CPU."""
         mode = self.cfg.sparse_pipeline
-        if not self.cfg.sparse or mode == "off":
+        if not self.cfg.sparse.enabled or mode == "off":
             return False
-        return mode == "on" or (self.device.type == "cuda" and self.cfg.drafter not in ("oracle", "ondemand"))
+        return mode == "on" or (self.device.type == "cuda" and self.cfg.sparse.drafter not in ("oracle", "ondemand"))
 
     def _build_pipeline(self, sc, kv: torch.Tensor, host: HostKVPool, remote_items: torch.Tensor | None,
                         ) -> LookaheadPipeline:
@@ -157,7 +157,7 @@ class ModelRunner(SparseDecodeMixin):
         built over a one-page pool (the state does not depend on the pool's size)."""
         if not self._use_pipeline():
             return 0
-        sc = dataclasses.replace(self.cfg.sparse_config(), fetch_budget="off")  # no link measurement
+        sc = dataclasses.replace(self.cfg.sparse, fetch_budget="off")  # no link measurement
         kv = torch.empty(self.model_config.num_layers, self.num_kv_heads, *self.kv_page_shape,
                          dtype=self.dtype, device=self.device)
         host = HostKVPool(0, self.block_size, self.head_dim, self.dtype, pin=self.device.type == "cuda", num_items=1)

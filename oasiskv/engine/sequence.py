@@ -4,10 +4,21 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from oasiskv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from oasiskv.engine.penalties import TokenCounts
+    from oasiskv.sparse.host_cache import HostHit
+    from oasiskv.sparse.host_pool import HostExtent
+    from oasiskv.sparse.working_set import WorkingSet
+
+PENDING = -1  # an output token still on the device (async scheduling), never seen outside a step
 
 
 class SequenceStatus(enum.Enum):
@@ -33,9 +44,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    generator: object = None  # torch.Generator for seeded sampling
-    sparse: object = None  # WorkingSet once the request decodes sparse
-    host_extent: object = None  # its reservation in the host KV pool
+    generator: torch.Generator | None = None  # for seeded sampling
+    sparse: WorkingSet | None = None  # once the request decodes sparse
+    host_extent: HostExtent | None = None  # its reservation in the host KV pool
     # A prompt that converts when its prefill ends: its leading blocks already copied to the host
     # extent, and the prompt position the copies reached (oasiskv.sparse.prefill_copies).
     prefill_blocks_on_host: int = 0
@@ -50,7 +61,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked
     min_tokens_stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens exist
-    token_counts: object = None  # TokenCounts, for penalties
+    token_counts: TokenCounts | None = None  # for penalties
     error: str | None = None  # its own work (sampling, stop check, output) failed: why
     # Prefix cache (oasiskv.engine.block_manager): names of its full blocks so far, how many of its
     # pages the cache knows by name, and its prompt tokens found cached when it was first admitted
@@ -60,7 +71,7 @@ class Sequence:
     num_named_blocks: int = 0
     prefix_hit_tokens: int | None = None
     host_hit_tokens: int | None = None
-    host_load: object = None
+    host_load: HostHit | None = None
     host_summaries: tuple | None = None
     _page_cache: tuple | None = field(default=None, repr=False)  # (the list, its int64 array)
 

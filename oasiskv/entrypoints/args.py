@@ -72,7 +72,7 @@ def _json_object(text: str) -> dict:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
+    return EngineConfig.from_flat(
         model=args.model, load_format=args.load_format, rope_scaling=args.rope_scaling,
         dtype=args.dtype, device=args.device,
         seed=args.seed, block_size=args.block_size, max_model_len=args.max_model_len,

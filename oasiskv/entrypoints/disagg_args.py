@@ -58,7 +58,7 @@ def role_config(config: EngineConfig, role: str, strict: bool = False) -> Engine
     if config.tensor_parallel_size != 1:
         raise ValueError("--role prefill|decode runs with --tensor-parallel-size 1")
     pipeline = config.sparse_pipeline if role == "decode" and not strict else "off"
-    return dataclasses.replace(config, sparse=True, sparse_pipeline=pipeline, async_scheduling="off")
+    return dataclasses.replace(config.with_sparse(enabled=True), sparse_pipeline=pipeline, async_scheduling="off")
 
 
 def make_transport(kind: str, host: str):

@@ -1,8 +1,6 @@
 """Offline batch API: `LLM(model).generate(prompts, sampling_params)`."""
 from __future__ import annotations
 
-from dataclasses import fields
-
 from tqdm import tqdm
 
 from oasiskv.config import EngineConfig
@@ -12,11 +10,8 @@ from oasiskv.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        """engine_args: EngineConfig's settings, sparse decode's flat (`sparse=True, top_k_blocks=32`)."""
+        self.engine = LLMEngine(EngineConfig.from_flat(model=model, **engine_args))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":

@@ -52,23 +52,24 @@ def run_ablation(args) -> int:
 
     base = engine_config(args)
     longest = max(args.context_len + args.forced_tokens, args.passkey_context_len + 8)
-    base = replace(base, sparse_threshold=min(base.sparse_threshold, args.context_len, args.passkey_context_len - 64),
-                   max_model_len=base.max_model_len or longest + 16)
-    dense = LLM.from_config(replace(base, sparse=False))
+    threshold = min(base.sparse.sparse_threshold, args.context_len, args.passkey_context_len - 64)
+    base = replace(base.with_sparse(sparse_threshold=threshold), max_model_len=base.max_model_len or longest + 16)
+    dense = LLM.from_config(base.with_sparse(enabled=False))
     cases = make_cases(dense.tokenizer, args.passkey_context_len, args.depths, args.seeds)
     ref = dense_reference(dense, args.texts, args.context_len, args.forced_tokens, 0)
     right = score(dense, cases)
     results = {"context_len": args.context_len, "texts": args.texts, "forced_tokens": args.forced_tokens,
                "passkey_context_len": args.passkey_context_len, "depths": args.depths, "seeds": args.seeds,
-               "drafter": base.drafter, "window_blocks": base.window_blocks, "sink_blocks": base.sink_blocks,
+               "drafter": base.sparse.drafter, "window_blocks": base.sparse.window_blocks,
+               "sink_blocks": base.sparse.sink_blocks,
                "dense": {"passkey_correct": sum(right), "passkey_total": len(right),
                          "ppl": accuracy_ppl(ref)},
                "runs": []}
     del dense
     done: dict[tuple[int, int], dict] = {}
     for sweep, k, ratio in settings(args):
-        cfg = replace(base, sparse=True, top_k_blocks=k, fetch_ratio=ratio)
-        cap = cfg.sparse_config().fetch_cap
+        cfg = base.with_sparse(enabled=True, top_k_blocks=k, fetch_ratio=ratio)
+        cap = cfg.sparse.fetch_cap
         if (k, cap) not in done:
             done[(k, cap)] = accuracy(LLM.from_config(cfg), cases, ref)
         row = {"sweep": sweep, "top_k_blocks": k, "fetch_ratio": ratio, "fetch_cap": cap} | done[(k, cap)]

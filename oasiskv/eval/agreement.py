@@ -35,9 +35,9 @@ def add_agreement_args(p) -> None:
 def full_budget_config(args, base, drafter: str):
     """Sparse with every block held and no cap: predictions are recorded, never felt."""
     blocks = math.ceil((args.context_len + args.steps + 4) / base.block_size)
-    return replace(base, sparse=True, drafter=drafter, top_k_blocks=max(blocks, max(args.ks)),
-                   fetch_ratio=1.0, sparse_threshold=min(base.sparse_threshold, args.context_len),
-                   max_model_len=base.max_model_len or args.context_len + args.steps + 16)
+    sparse = base.with_sparse(enabled=True, drafter=drafter, top_k_blocks=max(blocks, max(args.ks)), fetch_ratio=1.0,
+                              sparse_threshold=min(base.sparse.sparse_threshold, args.context_len))
+    return replace(sparse, max_model_len=base.max_model_len or args.context_len + args.steps + 16)
 
 
 def record_drafter(args, base, drafter: str, prompts_of) -> dict:
@@ -106,8 +106,8 @@ def run_agreement(args) -> int:
             pooled.setdefault(name, LookaheadRecorder(len(rec.steps), args.ks, rec.drafter)).merge(rec)
     results = {
         "context_len": args.context_len, "steps": args.steps, "texts": args.texts, "ks": args.ks,
-        "k": args.k, "temperature": args.temperature, "window_blocks": base.window_blocks,
-        "sink_blocks": base.sink_blocks, "block_size": base.block_size,
+        "k": args.k, "temperature": args.temperature, "window_blocks": base.sparse.window_blocks,
+        "sink_blocks": base.sparse.sink_blocks, "block_size": base.block_size,
         "by_mode": {mode: summarize(by_mode[mode], args.ks) | {"draft_acceptance": acceptance[mode]}
                     for mode in MODES},
         "pooled": summarize(pooled, args.ks),

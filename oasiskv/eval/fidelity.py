@@ -42,8 +42,8 @@ def add_fidelity_args(p) -> None:
 
 def sparse_eval_config(base, context_len: int, new_tokens: int):
     """The user's sparse flags, converting right after the prompt's prefill."""
-    return replace(base, sparse=True, sparse_threshold=min(base.sparse_threshold, context_len),
-                   max_model_len=base.max_model_len or context_len + new_tokens + 16)
+    sparse = base.with_sparse(enabled=True, sparse_threshold=min(base.sparse.sparse_threshold, context_len))
+    return replace(sparse, max_model_len=base.max_model_len or context_len + new_tokens + 16)
 
 
 def split_texts(tokenizer, texts: list[str], context_len: int, forced: int):
@@ -109,15 +109,14 @@ def run_fidelity(args) -> int:
 
     base = engine_config(args)
     cfg = sparse_eval_config(base, args.context_len, max(args.forced_tokens, args.free_tokens))
-    ref = dense_reference(LLM.from_config(replace(cfg, sparse=False)), args.texts, args.context_len,
+    ref = dense_reference(LLM.from_config(cfg.with_sparse(enabled=False)), args.texts, args.context_len,
                           args.forced_tokens, args.free_tokens)
     res = measure_sparse(LLM.from_config(cfg), ref, args.free_tokens)
     results = {"context_len": args.context_len, "texts": args.texts, "forced_tokens": args.forced_tokens,
                "free_tokens": args.free_tokens,
-               "sparse": {"top_k_blocks": cfg.top_k_blocks, "sink_blocks": cfg.sink_blocks,
-                          "window_blocks": cfg.window_blocks, "fetch_ratio": cfg.fetch_ratio,
-                          "fetch_cap": cfg.sparse_config().fetch_cap, "drafter": cfg.drafter,
-                          "sparse_threshold": cfg.sparse_threshold, "summary_dtype": cfg.summary_dtype}} | res
+               "sparse": {k: getattr(cfg.sparse, k) for k in (
+                   "top_k_blocks", "sink_blocks", "window_blocks", "fetch_ratio", "fetch_cap", "drafter",
+                   "sparse_threshold", "summary_dtype")}} | res
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)

@@ -130,15 +130,13 @@ def score(llm, cases: list[PasskeyCase], max_tokens: int = 8, exact: bool = Fals
 
 
 def run_config(base, spec: str):
-    """`dense`, or a sparse run: a drafter with optional engine overrides,
+    """`dense`, or a sparse run: a drafter with optional sparse overrides (SparseConfig's fields),
     e.g. `self`, `oracle`, `self:fetch_ratio=0.02`, `self:fetch_ratio=1.0,top_k_blocks=64`."""
-    from dataclasses import replace
-
     if spec == "dense":
-        return replace(base, sparse=False)
+        return base.with_sparse(enabled=False)
     drafter, _, opts = spec.partition(":")
     overrides = dict(opt.split("=", 1) for opt in opts.split(",") if opt)
-    return replace(base, sparse=True, drafter=drafter, **{k: _flag_value(v) for k, v in overrides.items()})
+    return base.with_sparse(enabled=True, drafter=drafter, **{k: _flag_value(v) for k, v in overrides.items()})
 
 
 def _flag_value(text: str):
@@ -192,10 +190,9 @@ def run_passkey(args) -> int:
     exact = args.set == "fresh" or args.keys > 1
     results = {"set": args.set, "keys": args.keys, "scoring": "exact number" if exact else "substring",
                "context_len": args.context_len,
-               "sparse": {"top_k_blocks": base.top_k_blocks, "sink_blocks": base.sink_blocks,
-                          "window_blocks": base.window_blocks, "fetch_ratio": base.fetch_ratio,
-                          "sparse_threshold": base.sparse_threshold, "summary_dtype": base.summary_dtype,
-                          "fetch_budget": base.fetch_budget},
+               "sparse": {k: getattr(base.sparse, k) for k in (
+                   "top_k_blocks", "sink_blocks", "window_blocks", "fetch_ratio", "sparse_threshold",
+                   "summary_dtype", "fetch_budget")},
                "runs": {}}
     cases = None
     for spec in ([] if args.no_dense else ["dense"]) + list(args.drafters):
@@ -216,7 +213,8 @@ def run_passkey(args) -> int:
                         "fillers": list(dict.fromkeys(c.filler for c in cases))}
         answers = generate_answers(llm, cases)
         right = [is_right(a, c.key, exact) for c, a in zip(cases, answers)]
-        config = {k: v for k, v in asdict(cfg).items() if k in results["sparse"] or k in ("drafter", "sparse")}
+        config = {"sparse": cfg.sparse.enabled} | {k: v for k, v in asdict(cfg.sparse).items()
+                                                   if k in results["sparse"] or k == "drafter"}
         results["runs"][spec] = {"config": config, "correct": sum(right), "total": len(right), "per_case": [
             {"filler": c.filler, "depth": c.depth, "seed": c.seed, "key": c.key, "answer": a, "ok": ok}
             | ({"distractors": list(c.distractors)} if c.distractors else {})

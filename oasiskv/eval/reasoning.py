@@ -79,8 +79,8 @@ def run_reasoning(args) -> int:
         for r, d in zip(rows, dense):
             r["identical_to_dense"] = first_difference(r.pop("token_ids"), d)
         results["runs"][spec] = {
-            "config": {k: v for k, v in asdict(cfg).items() if k in (
-                "sparse", "drafter", "top_k_blocks", "sink_blocks", "window_blocks", "fetch_ratio",
+            "config": {"sparse": cfg.sparse.enabled} | {k: v for k, v in asdict(cfg.sparse).items() if k in (
+                "drafter", "top_k_blocks", "sink_blocks", "window_blocks", "fetch_ratio",
                 "sparse_threshold", "fetch_budget", "summary_dtype")},
             "right": sum(r["right"] for r in rows), "total": len(rows), "per_problem": rows}
         print(f"{spec:>8}: {sum(r['right'] for r in rows)}/{len(rows)} right, "

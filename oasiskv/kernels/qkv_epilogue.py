@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.kernels.reference import store_kv_ref
-from oasiskv.layers.fused import rms, rotate_half
+from oasiskv.kernels.reference import rms, rotate_half, store_kv_ref
+from oasiskv.kernels.summary_fold import update_block_minmax
 
 # A prefill-sized launch (from PREFILL_ROWS tokens) gives each program this many tokens of a head,
 # so a 32K-token chunk is not 1.3M programs of 256 bytes each.
@@ -94,8 +94,6 @@ def qkv_epilogue_triton(qkv, num_heads, num_kv_heads, positions, cos, sin, q_wei
 
 def qkv_epilogue_ref(qkv, num_heads, num_kv_heads, positions, cos, sin, q_weight, k_weight, eps,
                      kv_cache, write_slots, write_offsets, fold=None):
-    from oasiskv.sparse.summaries import update_block_minmax  # sparse imports kernels: import late
-
     T = qkv.shape[0]
     D = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
@@ -133,7 +131,7 @@ if triton is not None:
                 src = qkv_ptr + t.to(tl.int64) * s_qkv + j * D  # k heads follow q heads, v follows k
                 x1 = tl.load(src + i).to(tl.float32)
                 x2 = tl.load(src + HALF + i).to(tl.float32)
-                if NORM:  # as layers.fused.rms: float32 math, the result in the model dtype
+                if NORM:  # as reference.rms: float32 math, the result in the model dtype
                     w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
                     r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
                     x1 = (x1 * r * tl.load(w_ptr + i).to(tl.float32)).to(q_ptr.dtype.element_ty).to(tl.float32)
@@ -179,7 +177,7 @@ if triton is not None:
     @triton.jit
     def _fp8_toward(x, TOWARD: tl.constexpr):
         """x (float32, within +-448) as the e4m3 value next to it upward (TOWARD 1) or downward
-        (-1), in float32 (`summaries.to_summary`). Found on e4m3's grid by arithmetic, not by
+        (-1), in float32 (`summary_fold.to_summary`). Found on e4m3's grid by arithmetic, not by
         Triton's float -> fp8 cast, which the interpreter rounds differently (1.99 -> 1.125)."""
         e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-6's step
         step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): 3 mantissa bits
@@ -200,7 +198,7 @@ if triton is not None:
 
     @triton.jit
     def _fold(kmin_ptr, kmax_ptr, at, y1, y2, i, HALF: tl.constexpr, first, FP8: tl.constexpr):
-        """As `summaries.update_block_minmax` for one token: the key into its block's min / max
+        """As `summary_fold.update_block_minmax` for one token: the key into its block's min / max
         (a new block starts from the key); fp8 summaries saturate at +-448 (e4m3 has no inf),
         take the key rounded down into the min and up into the max, and compare in float32."""
         for part in tl.static_range(2):

@@ -1,4 +1,5 @@
-"""Torch references of the kernels: the semantics every fast kernel must match.
+"""Torch references of the kernels, and of the RMSNorm and RoPE the qkv epilogue fuses: the
+semantics every fast kernel must match.
 
 KV cache layout (docs/design.md, "Memory layout"): per layer one tensor
 `kv_cache[num_slots, 2, block_size, head_dim]` where slot = page * num_kv_heads + kv_head and
@@ -10,6 +11,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 math, the result in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, HF's rotate-half convention; cos and sin broadcast over x's heads."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 def store_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -5,11 +5,13 @@ A step's `AttentionMetadata` is built once by the model runner and read by every
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from oasiskv.kernels.paged_decode import paged_decode
 from oasiskv.kernels.paged_prefill import PrefillTable, paged_prefill
+from oasiskv.kernels.qkv_epilogue import SummaryFold
 
 
 @dataclass
@@ -28,6 +30,23 @@ def prefill_table(chunks: list[PrefillChunk], device: torch.device) -> PrefillTa
                               [c.prefix_len for c in chunks], [c.pages for c in chunks], device)
 
 
+class AttentionHooks(Protocol):
+    """What a sparse decode step does inside each layer (`sparse.step_hooks.SparseStepHooks` on
+    the in-line path, `sparse.pipeline.LookaheadPipeline` on the batched one)."""
+
+    def summary_fold(self, layer: int) -> SummaryFold | None:
+        """The qkv epilogue's fold of the step's keys into the block summaries, if it does one."""
+
+    def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
+        """q [T, Hq, D], k [T, Hkv, D] of the step, before the attention kernel reads meta."""
+
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The same, once the attention kernel is launched."""
+
+    def fork_point(self, layer: int, part: str) -> None:
+        """The model launched `part` of the layer ("o_proj", "mlp"): where side work may start."""
+
+
 @dataclass
 class AttentionMetadata:
     write_slots: torch.Tensor  # [T, Hkv] slot each token's K/V goes to, -1 = not stored (draft)
@@ -43,7 +62,7 @@ class AttentionMetadata:
     num_splits: int | None = None  # the decode kernel's splits per (sequence, head); None: its choice
     num_stages: int | None = None  # the decode kernel's software-pipeline stages; None: its default
     fused_merge: bool = False  # the decode kernel's last split program merges (no merge launch)
-    hooks: object = None  # sparse step hooks: summary_fold, before_ / after_attention, fork_point
+    hooks: AttentionHooks | None = None  # a sparse step's work around attention
 
     @property
     def is_prefill(self) -> bool:

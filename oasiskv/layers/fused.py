@@ -3,7 +3,8 @@
 A decode step at batch 16 spends as long launching ~50 tiny elementwise kernels per layer
 as reading the weights; fusing norm, residual and SiLU cuts that to a handful. On CPU
 (tests, the HF reference comparisons) the same functions run eagerly. The per-head q/k norm
-and RoPE (`rms`, `rotate_half`) run inside the qkv epilogue kernel (kernels/qkv_epilogue.py).
+and RoPE run inside the qkv epilogue kernel (kernels/qkv_epilogue.py); the norm's math, `rms`,
+is shared with that kernel's reference (kernels/reference.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from oasiskv.kernels.reference import rms
 from oasiskv.kernels.silu_mul import silu_mul_triton
 
 
@@ -29,12 +31,6 @@ def cuda_compiled(fn):
     return wrapper
 
 
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
-
-
 @cuda_compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms(x, weight, eps)
@@ -45,13 +41,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """(norm(x + residual), x + residual): the residual stream stays in the model dtype."""
     s = x + residual
     return rms(s, weight, eps), s
-
-
-def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 # Rows from which silu_mul takes the Triton kernel (a prefill's chunk) over the compiled one.

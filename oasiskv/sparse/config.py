@@ -30,7 +30,9 @@ class SparseConfig:
     top_k_blocks: int = 128  # K: selected blocks per (layer, kv head)
     sink_blocks: int = 1  # S: first blocks, always resident
     window_blocks: int = 4  # W: newest blocks, always resident (the last one fills)
-    sparse_threshold: int = 8192  # context tokens at which a request converts to sparse
+    # Context tokens at which a request converts to sparse; None: `auto_threshold`, which
+    # EngineConfig sets (it knows the block size).
+    sparse_threshold: int | None = None
     fetch_ratio: float = 0.05  # C = ceil(ratio * K) new blocks per head per step; 1.0 = uncapped
     drafter: str = "self"
     host_kv_gb: float = 4.0  # size of the pinned host arena holding sparse requests' full KV

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oasiskv.kernels.summary_fold import update_block_minmax
 from oasiskv.sparse.block_scores import score_topk
 from oasiskv.sparse.capped_eviction import EvictionPlan, admission_ranks, capped_eviction
 from oasiskv.sparse.config import MIN_CONTEXT_PER_WORKING_SET, PRESSURE_CONTEXT_PER_WORKING_SET, SparseConfig
@@ -23,7 +24,7 @@ from oasiskv.sparse.drafters import TokenHistory, next_draft
 from oasiskv.sparse.host_cache import HostHit, HostPrefixCache
 from oasiskv.sparse.host_pool import HostKVPool
 from oasiskv.sparse.prefill_copies import PrefillHostCopies
-from oasiskv.sparse.summaries import summary_dtype, update_block_minmax, write_block_minmax
+from oasiskv.sparse.summaries import summary_dtype, write_block_minmax
 from oasiskv.sparse.streamed_prefill import staging_pages
 from oasiskv.sparse.summary_arena import SummaryArena
 from oasiskv.sparse.working_set import WorkingSet

@@ -38,18 +38,19 @@ import contextlib
 
 import torch
 
+from oasiskv.kernels.capped_eviction import eviction_marks
 from oasiskv.kernels.copy_items import device_view, fetch_admitted, write_through
 from oasiskv.kernels.qkv_epilogue import SummaryFold
+from oasiskv.kernels.step_clock import STAMPS, stamp
+from oasiskv.kernels.step_tables import RowState, StepTables, WriteThrough, step_tables
 from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
-from oasiskv.sparse.capped_eviction import capped_eviction_, eviction_marks
+from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import LOOKUP_WINDOW
 from oasiskv.sparse.fetch_budget import FetchBudget, measure_link, share_budget
-from oasiskv.sparse.step_clock import STAMPS, stamp
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.remote_rows import RemoteRows
-from oasiskv.sparse.step_tables import RowState, StepTables, WriteThrough, step_tables
 from oasiskv.sparse.summaries import summary_dtype
 from oasiskv.sparse.summary_arena import SummaryArena
 
@@ -405,7 +406,7 @@ class LookaheadPipeline:
         tables [L, B, H, P] (valid slots first: sinks, dynamic, full window blocks oldest
         first, the partial block last, as the decode kernel walks them), cached-token counts,
         where the token's K/V goes and the positions of the token and its draft
-        (`sparse.step_tables`); the values the stages read later go to their buffers."""
+        (`kernels.step_tables`); the values the stages read later go to their buffers."""
         B = self.B
         rows = RowState(self.next_blocks[:B], self.next_window[:B], self.completes[:B], self.window_slot[:B],
                         self.block[:B], self.summary_block[:B], self.first_in_block[:B])

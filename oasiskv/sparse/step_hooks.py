@@ -6,18 +6,20 @@ from dataclasses import dataclass, field
 import torch
 
 from oasiskv.sparse.drafters import USES_DRAFT_TOKEN
+from oasiskv.sparse.manager import SparseManager
+from oasiskv.sparse.working_set import WorkingSet
 
 
 @dataclass
 class SparseRow:
     batch_index: int  # b: its tokens are rows b*Q (the real token) and b*Q+1 (the draft)
-    ws: object  # WorkingSet
+    ws: WorkingSet
     cached: int  # tokens in the cache before this step's token
 
 
 @dataclass
 class SparseStepHooks:
-    manager: object
+    manager: SparseManager
     rows: list[SparseRow]
     query_len: int
     drafter: str

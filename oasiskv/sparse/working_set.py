@@ -13,11 +13,16 @@ min/max key summaries stay on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from oasiskv.sparse.config import SparseConfig
 from oasiskv.sparse.drafters import TokenHistory
+from oasiskv.sparse.host_pool import HostExtent
+
+if TYPE_CHECKING:
+    from oasiskv.disagg.remote_reads import RemoteRequest
 
 
 @dataclass
@@ -62,7 +67,7 @@ class SparseStats:
 class WorkingSet:
     cfg: SparseConfig
     pages: list[int]  # P GPU pages
-    extent: object  # the request's HostExtent
+    extent: HostExtent | None  # the request's reservation in the host pool
     # In-line path: the working set is here. Pipeline path: these move to its batched state
     # (LookaheadPipeline.adopt) and are None; `row` says where.
     blocks: torch.Tensor | None  # [L, Hkv, P] int32 logical block per position, -1 empty
@@ -74,7 +79,7 @@ class WorkingSet:
     noise: torch.Tensor | None = None  # [V] sampling noise of the next position, drawn a step early
     stats: SparseStats = field(default_factory=SparseStats)
     row: int | None = None  # its row of the LookaheadPipeline, when that path runs it
-    remote: object = None  # a disaggregated request's RemoteRequest: its blocks come from a peer
+    remote: RemoteRequest | None = None  # a disaggregated request's: its blocks come from a peer
     exact_blocks: int = 0  # full blocks when it converted: computed dense, so the host tier may name them
     summary_offset: int = 0  # its first block's index in the page pool's summaries (`summary_arena`)
 

@@ -306,7 +306,7 @@ def test_decode_engine_fails_only_the_full_admission_whose_peer_dies(prefill):
     its name here); the first
     peer dies after the first reads: that request ends with an error output, the other decodes
     the colocated tokens, the leases are released and the arena drains."""
-    engine = DecodeEngine(EngineConfig(**CONFIG), SocketTransport(), remote_kv_gb=0.4, max_read_bytes=4 << 20)
+    engine = DecodeEngine(EngineConfig.from_flat(**CONFIG), SocketTransport(), remote_kv_gb=0.4, max_read_bytes=4 << 20)
     engine.heartbeats.close()
     engine.heartbeats = Leases()
     doomed = SocketTransport()

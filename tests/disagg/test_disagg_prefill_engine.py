@@ -18,13 +18,13 @@ from oasiskv.entrypoints.disagg_args import role_config
                                                    ("decode", False, "on")])
 def test_role_servers_sparse_paths(role, strict, pipeline):
     cfg = role_config(EngineConfig(sparse_pipeline="on", async_scheduling="on"), role, strict)
-    assert (cfg.sparse, cfg.sparse_pipeline, cfg.async_scheduling) == (True, pipeline, "off")
+    assert (cfg.sparse.enabled, cfg.sparse_pipeline, cfg.async_scheduling) == (True, pipeline, "off")
 
 
 @pytest.mark.slow
 def test_a_failed_hand_over_fails_only_its_request(monkeypatch):
     engine = prefill_engine.PrefillEngine(
-        EngineConfig(max_model_len=1200, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.2),
+        EngineConfig.from_flat(max_model_len=1200, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.2),
         SocketTransport())
     try:
         ids = engine.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:1000]
@@ -58,8 +58,8 @@ def test_hand_overs_beyond_the_pool_wait_for_pages():
     """More hand-overs at once than the pool can convert together: each waits for the pages of
     its conversion (working set and summaries) and every one is handed over, none fails."""
     engine = prefill_engine.PrefillEngine(
-        EngineConfig(max_model_len=1200, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.2,
-                     kv_cache_gb=0.03), SocketTransport())
+        EngineConfig.from_flat(max_model_len=1200, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.2,
+                               kv_cache_gb=0.03), SocketTransport())
     try:
         pool, n = engine.block_manager.num_pages, 12
         assert n * engine.sparse.cfg.working_set_blocks > 2 * pool  # they cannot all convert at once

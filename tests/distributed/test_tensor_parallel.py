@@ -85,7 +85,7 @@ def test_settings_above_size_1():
     assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("auto", "auto")
     for bad in (dict(drafter="oracle"), dict(distributed_timeout_s=0)):
         with pytest.raises(ValueError):
-            EngineConfig(tensor_parallel_size=2, **bad)
+            EngineConfig.from_flat(tensor_parallel_size=2, **bad)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
 

@@ -68,10 +68,10 @@ def test_fresh_set_is_fixed_and_scored_on_the_exact_number():
         assert not is_right(wrong, key, exact=True)
     assert is_right(" 123456.", key, exact=False)  # the suite's substring scoring would take it
 
-    base = EngineConfig(top_k_blocks=32, fetch_ratio=0.05)
-    assert run_config(base, "dense").sparse is False
-    cfg = run_config(base, "oracle:fetch_ratio=0.02,top_k_blocks=64")
-    assert (cfg.sparse, cfg.drafter, cfg.fetch_ratio, cfg.top_k_blocks) == (True, "oracle", 0.02, 64)
+    base = EngineConfig.from_flat(top_k_blocks=32, fetch_ratio=0.05)
+    assert run_config(base, "dense").sparse.enabled is False
+    sc = run_config(base, "oracle:fetch_ratio=0.02,top_k_blocks=64").sparse
+    assert (sc.enabled, sc.drafter, sc.fetch_ratio, sc.top_k_blocks) == (True, "oracle", 0.02, 64)
 
 
 def test_multikey_prompt_names_every_key_once_and_asks_for_one():

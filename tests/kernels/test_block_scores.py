@@ -1,8 +1,9 @@
-"""Block scores (oasiskv/sparse/block_scores.py): the reference against brute force over the
-tokens, the torch path against the reference, top-K, and the Triton kernel against the
-reference under Triton's CPU interpreter (in a subprocess, as tests/kernels/test_kernels.py does:
-TRITON_INTERPRET must be set before triton is imported). Interpreter cases use float32/float16
-only (CONTRIBUTING.md); bf16 is checked on the GPU by scripts/gpu_check_sparse.py."""
+"""Block scores (oasiskv/sparse/block_scores.py, their kernels in oasiskv/kernels/block_bounds.py
+and block_select.py): the reference against brute force over the tokens, the torch path against
+the reference, top-K, and the Triton kernels against the reference under Triton's CPU
+interpreter (in a subprocess, as tests/kernels/test_kernels.py does: TRITON_INTERPRET must be set before
+triton is imported). Interpreter cases use float32/float16 only (CONTRIBUTING.md); bf16 is
+checked on the GPU by scripts/gpu_check_sparse.py."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
-from oasiskv.sparse.block_scores import (COMBINES, RANGE_WEIGHT, combine_heads,
-                                         head_bounds_ref, score_blocks_ref, score_blocks_torch,
+from oasiskv.kernels.block_bounds import COMBINES, RANGE_WEIGHT
+from oasiskv.sparse.block_scores import (combine_heads, head_bounds_ref, score_blocks_ref, score_blocks_torch,
                                          score_topk, topk_blocks)
 from oasiskv.sparse.summaries import block_minmax
 
@@ -211,9 +212,10 @@ def run_interpreter_cases() -> dict:
     """Runs in the TRITON_INTERPRET=1 subprocess: per case, the kernel's per-head bounds and
     each combine's scores against the reference (error relative to the bounds' scale), and
     whether the top-K sets agree with the reference's (up to ties)."""
-    from oasiskv.sparse.block_scores import (head_bounds_triton, score_blocks_triton,
-                                             score_select_triton, score_topk_triton)
-    from oasiskv.sparse.summaries import FP8, to_summary
+    from oasiskv.kernels.block_bounds import head_bounds_triton, score_blocks_triton
+    from oasiskv.kernels.block_select import score_select_triton
+    from oasiskv.sparse.block_scores import score_topk_triton
+    from oasiskv.kernels.summary_fold import FP8, to_summary
     results = {}
     for name, (R, Hkv, G, D, nbs, dtype, kw) in TRITON_CASES.items():
         q, kmin, kmax, off, nb, _ = make_inputs(R, Hkv, G, D, nbs, dtype, seed=len(name))
@@ -266,21 +268,21 @@ def dead_tiles_skipped_agree() -> dict:
     """The bounds kernel with the tiles past each row's end skipped: the same bounds and tile
     maxima, bit for bit, for rows empty, short, past a program's tiles and cut by a window, in
     bf16 and fp8 summaries."""
-    from oasiskv.sparse import block_scores
-    from oasiskv.sparse.summaries import FP8, to_summary
+    from oasiskv.kernels import block_bounds
+    from oasiskv.kernels.summary_fold import FP8, to_summary
     q, kmin, kmax, off, nb, _ = make_inputs(4, 2, 2, 16, [37, 0, 150, 9], torch.bfloat16, seed=9)
-    out, saved = {}, block_scores.BOUNDS_SKIP_DEAD_TILES
+    out, saved = {}, block_bounds.BOUNDS_SKIP_DEAD_TILES
     for name, (lo, hi, kw) in {"bf16": (kmin, kmax, {}),
                                "fp8_window": (to_summary(kmin, FP8, -1), to_summary(kmax, FP8, 1),
                                               dict(window_start=torch.tensor([30, 0, 70, 9], dtype=torch.int32)))}.items():
         runs = []
         for skip in (False, True):
-            block_scores.BOUNDS_SKIP_DEAD_TILES = skip
+            block_bounds.BOUNDS_SKIP_DEAD_TILES = skip
             tile_max = torch.full((4, 4, 13), 7.0)
-            u = block_scores.head_bounds_triton(q, lo, hi, off, nb, 2, 200, num_sink=1, block_tile=16,
+            u = block_bounds.head_bounds_triton(q, lo, hi, off, nb, 2, 200, num_sink=1, block_tile=16,
                                                 tiles_per_program=2, tile_max=tile_max, **kw)
             runs.append((u, tile_max))
-        block_scores.BOUNDS_SKIP_DEAD_TILES = saved
+        block_bounds.BOUNDS_SKIP_DEAD_TILES = saved
         out[name] = bool(torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]))
     return out
 
@@ -289,27 +291,27 @@ def select_digit_widths_agree() -> dict:
     """The select's threshold search 1, 2, 4 or 8 bits a pass: the same blocks and scores, in the
     same order, on scores full of ties (small integer keys and queries) and negatives, for a k
     below, at and above the rows' lengths."""
-    from oasiskv.sparse import block_scores
+    from oasiskv.kernels import block_select
     q, kmin, kmax, off, nb, keys = make_inputs(3, 2, 2, 16, [37, 9, 40], torch.float32, seed=5)
     kmin, kmax = block_minmax(keys.round().clamp(-2, 2), 4)
     q = q.round().clamp(-1, 1)
-    saved = block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES
+    saved = block_select.SELECT_DIGIT_BITS, block_select.SELECT_MAX_COMPARES
     out = {}
     try:
-        block_scores.SELECT_MAX_COMPARES = 1 << 30
+        block_select.SELECT_MAX_COMPARES = 1 << 30
         for k in (5, 9, 40, 43):
             runs = {}
             for bits in (1, 2, 4, 8):
-                block_scores.SELECT_DIGIT_BITS = bits
-                runs[bits] = block_scores.score_select_triton(q, kmin, kmax, off, nb, 2, k, 40, block_tile=16)
+                block_select.SELECT_DIGIT_BITS = bits
+                runs[bits] = block_select.score_select_triton(q, kmin, kmax, off, nb, 2, k, 40, block_tile=16)
             out[f"k{k}"] = all(torch.equal(runs[1][0], r[0]) and torch.equal(runs[1][1], r[1]) for r in runs.values())
             if k == 9:  # ties among the chosen scores (so the cut falls inside a run of equal keys)
                 out["ties"] = any(len(set(v[v > float("-inf")].tolist())) < int((v > float("-inf")).sum())
                                   for v in runs[1][1].flatten(0, 1))
-        block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES = 4, 16384
-        out["bits_on_wide_rows"] = [block_scores.select_digit_bits(m) for m in (512, 1024, 2048, 8192, 32768)]
+        block_select.SELECT_DIGIT_BITS, block_select.SELECT_MAX_COMPARES = 4, 16384
+        out["bits_on_wide_rows"] = [block_select.select_digit_bits(m) for m in (512, 1024, 2048, 8192, 32768)]
     finally:
-        block_scores.SELECT_DIGIT_BITS, block_scores.SELECT_MAX_COMPARES = saved
+        block_select.SELECT_DIGIT_BITS, block_select.SELECT_MAX_COMPARES = saved
     return out
 
 

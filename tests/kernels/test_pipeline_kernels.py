@@ -40,8 +40,9 @@ def random_eviction_inputs(reqs, heads, K, P, blocks, sinks, gen):
 
 
 def run_interpreter_cases() -> dict[str, float]:
+    from oasiskv.kernels.capped_eviction import capped_eviction_triton, eviction_marks
     from oasiskv.kernels.copy_items import _copy_items_triton
-    from oasiskv.sparse.capped_eviction import _capped_eviction_triton, capped_eviction_, eviction_marks
+    from oasiskv.sparse.capped_eviction import capped_eviction_
     errors = {}
     gen = torch.Generator().manual_seed(7)
     for name, (reqs, heads, K, P, blocks, cap, sinks) in EVICTION_CASES.items():
@@ -58,8 +59,8 @@ def run_interpreter_cases() -> dict[str, float]:
             ranked = (pred.gather(1, shuffle).contiguous(), scores.gather(1, shuffle).contiguous())
             outs = {}
             for impl, fn, args in (("torch", capped_eviction_, (pred,)),
-                                   ("triton", _capped_eviction_triton, (pred,)),
-                                   ("triton_ranked", _capped_eviction_triton, ranked),
+                                   ("triton", capped_eviction_triton, (pred,)),
+                                   ("triton_ranked", capped_eviction_triton, ranked),
                                    ("torch_ranked", capped_eviction_, ranked)):
                 r, l = state[impl]
                 ab = torch.full((reqs * heads, cap), -1, dtype=torch.int32)
@@ -117,7 +118,7 @@ def run_step_table_cases(gen) -> dict[str, float]:
     """The step's foreground tables, the Triton kernel against the torch form: every output and
     every row value equal, and the last step's write-through values kept (mismatching outputs
     counted; the kept values must be the rows' values from before the call)."""
-    from oasiskv.sparse.step_tables import RowState, WriteThrough, step_tables_torch, step_tables_triton
+    from oasiskv.kernels.step_tables import RowState, WriteThrough, step_tables_torch, step_tables_triton
     out = {}
     dtypes = (torch.long, torch.long, torch.bool, torch.long, torch.long, torch.long, torch.bool)
     for name, (L, R, H, S, K, W, bs) in STEP_TABLE_CASES.items():

@@ -14,8 +14,8 @@ from triton_interpreter import run_under_interpreter
 
 from oasiskv.kernels import qkv_epilogue as epilogue
 from oasiskv.kernels.qkv_epilogue import SummaryFold, qkv_epilogue_ref, qkv_epilogue_triton
+from oasiskv.kernels.summary_fold import update_block_minmax
 from oasiskv.layers.rotary import RotaryEmbedding
-from oasiskv.sparse.summaries import update_block_minmax
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def fp8_grid_mismatches() -> int:
     import triton
     import triton.language as tl
 
-    from oasiskv.sparse.summaries import to_summary
+    from oasiskv.kernels.summary_fold import to_summary
 
     @triton.jit
     def grid(x_ptr, lo_ptr, hi_ptr, n, BLOCK: tl.constexpr):

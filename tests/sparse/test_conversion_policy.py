@@ -81,8 +81,9 @@ def test_no_conversion_while_every_dense_request_has_a_free_page():
 def test_default_threshold_is_past_twice_the_working_set():
     assert auto_threshold(128, 1, 4, 16) == 2 * 133 * 16 == 4256
     assert auto_threshold(32, 1, 4, 16) == 4096  # never below the base
-    assert EngineConfig(sparse=True).sparse_threshold == 4256
-    assert EngineConfig(sparse=True, sparse_threshold=1024).sparse_threshold == 1024  # an explicit one stays
+    assert EngineConfig.from_flat(sparse=True).sparse.sparse_threshold == 4256
+    explicit = EngineConfig.from_flat(sparse=True, sparse_threshold=1024)
+    assert explicit.sparse.sparse_threshold == 1024  # an explicit one stays
 
 
 def test_should_convert_needs_the_threshold_or_an_early_request_past_the_floor():

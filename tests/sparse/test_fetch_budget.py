@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from oasiskv.sparse.capped_eviction import NO_CANDIDATE, capped_eviction, capped_eviction_
+from oasiskv.kernels.capped_eviction import NO_CANDIDATE
+from oasiskv.sparse.capped_eviction import capped_eviction, capped_eviction_
 from oasiskv.sparse.fetch_budget import MIN_MARGIN_SHARE, FetchBudget, parse_fetch_budget, share_budget
 from triton_interpreter import run_under_interpreter
 
@@ -182,18 +183,19 @@ def share_inputs(N, C, ranks, gen):
 
 
 def run_interpreter_cases() -> dict[str, float]:
-    from oasiskv.sparse.capped_eviction import _capped_eviction_triton, eviction_marks
+    from oasiskv.kernels.capped_eviction import capped_eviction_triton, eviction_marks
     gen = torch.Generator().manual_seed(5)
     errors = {}
     for name, (reqs, heads, K, P, blocks, cap, items) in KERNEL_CASES.items():
         state = random_state(reqs, heads, K, P, blocks, gen)
         want = budgeted_select(state, heads, cap, items)
         marks = eviction_marks(reqs * heads, blocks, torch.device("cpu"))
-        got = budgeted_select(state, heads, cap, items, select=_capped_eviction_triton, marks=marks)
+        got = budgeted_select(state, heads, cap, items, select=capped_eviction_triton, marks=marks)
         flat = lambda x: [x[0], x[1], x[2], *x[3]]  # noqa: E731
         errors[name] = float(sum(not torch.equal(a.float(), b.float()) for a, b in zip(flat(want), flat(got))))
         errors[name] += float((marks != -1).sum())
-    from oasiskv.sparse.fetch_budget import share_budget_torch, share_budget_triton
+    from oasiskv.kernels.budget_share import share_budget_triton
+    from oasiskv.sparse.fetch_budget import share_budget_torch
     for name, (N, C, ranks, items) in SHARE_CASES.items():
         rank, score = share_inputs(N, C, ranks, gen)
         got = torch.full((N,), -7, dtype=torch.int32)

@@ -98,7 +98,9 @@ def test_small_budget_caps_traffic(prompt):
 def test_bad_sparse_flags(kwargs, words):
     from oasiskv.config import EngineConfig
     with pytest.raises(ValueError, match=words):
-        EngineConfig(sparse=True, **kwargs)
+        EngineConfig.from_flat(sparse=True, **kwargs)
+
+
 def test_host_pool_too_small_makes_request_wait(prompt):
     """Two long requests, a host pool that holds one: the second waits, then runs."""
     L, H, bs, D = 30, 3, 16, 64

@@ -1,12 +1,13 @@
-"""Block min/max key summaries (oasiskv/sparse/summaries.py): the one-shot build against a
-per-block loop, and the incremental decode update against rebuilding from all tokens."""
+"""Block min/max key summaries (oasiskv/sparse/summaries.py, their rounding and decode's fold in
+oasiskv/kernels/summary_fold.py): the one-shot build against a per-block loop, and the incremental
+decode update against rebuilding from all tokens."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oasiskv.sparse.summaries import (FP8, block_minmax, summary_dtype, to_summary, update_block_minmax,
-                                      write_block_minmax)
+from oasiskv.kernels.summary_fold import FP8, to_summary, update_block_minmax
+from oasiskv.sparse.summaries import block_minmax, summary_dtype, write_block_minmax
 
 
 @pytest.mark.parametrize("n,bs", [(1, 16), (16, 16), (37, 16), (64, 16), (13, 8)])
