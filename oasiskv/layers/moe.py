@@ -6,11 +6,15 @@ kernel (kernels/fused_moe.py) reads any expert by its index.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from oasiskv.kernels.fused_moe import fused_moe
-from oasiskv.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from oasiskv.models.config import ModelConfig
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
