@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from logit_recorder import record_logits
 
 from oasiskv import LLM, SamplingParams
 
@@ -30,25 +31,12 @@ def hf_model(hf_default):
     return hf_default[0]
 
 
-def _record_logits(llm):
-    """Wraps compute_logits to keep every step's logits (one row per sampled sequence)."""
-    model, seen = llm.engine.runner.model, []
-    original = model.compute_logits
-
-    def recording(hidden):
-        logits = original(hidden)
-        seen.append(logits.clone())
-        return logits
-    model.compute_logits = recording
-    return seen, lambda: setattr(model, "compute_logits", original)
-
-
 def test_logits_and_tokens_match_hf(llm, hf_model):
     """Prefill + 32 decode steps: every step's logits agree with HF's forward over the same
     tokens, and each greedy token is HF's argmax."""
     ids = llm.tokenizer.encode("The history of the Roman Empire spans many centuries. It began",
                                add_special_tokens=False)
-    seen, restore = _record_logits(llm)
+    seen, restore = record_logits(llm)
     try:
         out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=33, ignore_eos=True))[0]
     finally:

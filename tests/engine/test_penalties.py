@@ -2,6 +2,7 @@
 and each one changing what the engine samples as defined (dense, async and sparse paths)."""
 import pytest
 import torch
+from logit_recorder import record_logits
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.engine.penalties import apply_rules
@@ -106,25 +107,13 @@ def test_huge_logit_bias_forces_its_token(llm):
     assert out.token_ids == [tok] * 5
 
 
-def _recorded_logits(llm):
-    model, seen = llm.engine.runner.model, []
-    original = model.compute_logits
-
-    def recording(hidden):
-        logits = original(hidden)
-        seen.append(logits.clone())
-        return logits
-    model.compute_logits = recording
-    return seen, lambda: setattr(model, "compute_logits", original)
-
-
 @pytest.mark.slow
 def test_engine_applies_penalties_as_defined(llm):
     """Every greedy token is the argmax of that step's raw logits after the reference's rules."""
     ids = llm.tokenizer.encode("1, 2, 1, 2, 1, 2, 1, 2,", add_special_tokens=False)
     kw = dict(presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3)
     plain = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
-    seen, restore = _recorded_logits(llm)
+    seen, restore = record_logits(llm)
     try:
         out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw))[0]
     finally:
