@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.entrypoints.disagg_trust import disagg_secret, secret_headers
-from oasiskv.entrypoints.proxy_fanout import merge, merged_events, split
 from oasiskv.entrypoints.openai.protocol import MAX_N, error_body
+from oasiskv.entrypoints.proxy_fanout import broke_off, merge, merged_events, split
 
 log = logging.getLogger("oasiskv.proxy")
 CONNECT_TIMEOUT_S = 5.0
@@ -112,8 +112,7 @@ def build_proxy(prefill: list[str], decode: list[str], api_key: str | None = Non
             async for chunk in response.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            message = f"the decode server's stream broke off ({type(e).__name__})"
-            yield f"data: {json.dumps(error_body(message, 'server_error', code='bad_gateway'))}\n\n".encode()
+            yield f"data: {json.dumps(broke_off(e))}\n\n".encode()
             yield b"data: [DONE]\n\n"
         finally:  # the client went away or the stream ended: the decode server sees the close
             response.close()

@@ -73,6 +73,12 @@ def _usage(usages: list[dict | None], groups_of: list[tuple]) -> dict:
     return out | ({"prompt_tokens_details": {"cached_tokens": sum(cached)}} if cached else {})
 
 
+def broke_off(e: BaseException) -> dict:
+    """The error event that ends a client's stream when a decode server's stream breaks off."""
+    return error_body(f"the decode server's stream broke off ({type(e).__name__})", "server_error",
+                      code="bad_gateway")
+
+
 async def _events(k: int, response: aiohttp.ClientResponse, queue: asyncio.Queue) -> None:
     """Part k's `data:` payloads onto the queue as (k, payload), then (k, None) at its end."""
     try:
@@ -81,8 +87,7 @@ async def _events(k: int, response: aiohttp.ClientResponse, queue: asyncio.Queue
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 await queue.put((k, json.loads(line[len(b"data: "):])))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        message = f"the decode server's stream broke off ({type(e).__name__})"
-        await queue.put((k, error_body(message, "server_error", code="bad_gateway")))
+        await queue.put((k, broke_off(e)))
     finally:
         await queue.put((k, None))
 
