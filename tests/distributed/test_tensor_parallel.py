@@ -14,9 +14,9 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 from server_client import call
 from tiny_qwen3_moe import save_tiny_qwen3_moe
-import torch
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import EngineConfig

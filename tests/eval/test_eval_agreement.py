@@ -1,8 +1,9 @@
 """`oasiskv eval agreement` at tiny sizes on the real default model: well-formed output, and the
 oracle (the true next token sent as the draft) predicts exactly the next step's top-K. The
 decode crosses a block boundary (416), where a block leaves the window."""
-import pytest
 import json
+
+import pytest
 
 from oasiskv.entrypoints.cli import main as cli_main
 

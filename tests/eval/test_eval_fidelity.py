@@ -1,9 +1,9 @@
 """`oasiskv eval fidelity` and `eval ablation` at tiny sizes on the real default model, and the
 teacher-forcing logits processor they rest on."""
-import pytest
 import json
 import math
 
+import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams

@@ -1,7 +1,8 @@
 """`oasiskv eval reasoning` at tiny sizes on the default model: with every block held and no cap
 the sparse free run is token for token dense."""
-import pytest
 import json
+
+import pytest
 
 from oasiskv.entrypoints.cli import main as cli_main
 from oasiskv.eval.reasoning import first_difference, parse_answer

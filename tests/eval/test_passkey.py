@@ -1,9 +1,10 @@
 """Passkey retrieval at ~4K tokens on the real default model: sparse (K=32 blocks, window 4,
 sink 1, threshold 1024, `self` drafter) retrieves as many keys as dense. A few cases here;
 `oasiskv eval passkey` runs more (docs/accuracy.md)."""
-import pytest
 import json
 import re
+
+import pytest
 
 from oasiskv import LLM
 from oasiskv.entrypoints.cli import main as cli_main

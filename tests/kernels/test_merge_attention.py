@@ -4,10 +4,10 @@ them, a query count that is not a multiple of the block, a head dim below its po
 and the merged whole against attention over all keys at once."""
 from __future__ import annotations
 
-import pytest
 import json
 import os
 
+import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 

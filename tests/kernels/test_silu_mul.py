@@ -3,10 +3,10 @@ Triton's CPU interpreter (a subprocess): a width that is not a multiple of the c
 rows inside a wider buffer, float32 and bfloat16; and the dispatch by row count."""
 from __future__ import annotations
 
-import pytest
 import json
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 from triton_interpreter import run_under_interpreter

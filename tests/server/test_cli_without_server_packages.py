@@ -1,8 +1,9 @@
 """The commands that serve nothing build and run without the HTTP packages (fastapi, uvicorn,
 aiohttp): a machine without them (the GPU machine runs from source) can still evaluate and bench."""
-import pytest
 import subprocess
 import sys
+
+import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 

@@ -3,10 +3,11 @@ each (under the body limit) run on a tokenizer and worker of their own, and a sm
 beside them takes at most twice its time alone."""
 from __future__ import annotations
 
-import pytest
 import argparse
 import threading
 import time
+
+import pytest
 
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 from server_client import call, free_port

@@ -1,8 +1,9 @@
 """Penalties, bias, min_tokens and logprobs through the batched lookahead pipeline: the same
 tokens and logprobs as the in-line sparse path (the draft row gets the same rules, so the
 draft acceptance is the in-line path's too)."""
-import pytest
 import argparse
+
+import pytest
 
 from oasiskv import LLM, SamplingParams
 

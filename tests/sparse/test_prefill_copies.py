@@ -1,9 +1,9 @@
 """A prompt that converts when its prefill ends has its completed blocks copied to its host
 extent chunk by chunk (oasiskv/sparse/prefill_copies.py); the conversion copies the rest."""
-import pytest
 import argparse
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
