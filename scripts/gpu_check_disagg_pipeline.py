@@ -24,7 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/disagg"]  # the test module and the helpers it imports
 import test_disagg_pipeline as t  # noqa: E402
 
 from oasiskv import SamplingParams  # noqa: E402

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/kernels"]  # the test module and the helpers it imports
 from test_pipeline_kernels import random_eviction_inputs  # noqa: E402
 
 from oasiskv.kernels.capped_eviction import capped_eviction_triton, eviction_marks  # noqa: E402

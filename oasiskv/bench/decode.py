@@ -26,6 +26,8 @@ import torch
 from oasiskv.bench.roofline import HBM_BYTES_PER_S, PCIE_BYTES_PER_S
 from oasiskv.engine.sampler import read_host, to_host
 from oasiskv.entrypoints.args import engine_config
+from oasiskv.bench.ceilings import measure as measure_ceilings
+from oasiskv.layers.moe import experts_touched
 from oasiskv.models.step_bytes import weight_bytes_per_step
 
 FETCH_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 1.0)
@@ -121,6 +123,9 @@ class DecodeBench:
         cfg = engine_config(args)
         cfg = dataclasses.replace(cfg.with_sparse(enabled=False), max_model_len=max(contexts) + self.tail,
                                   max_num_seqs=max(max(batches), args.batch_size))
+        # this card's copy and GEMM rates, measured before the model takes its memory
+        self.ceilings = measure_ceilings() if torch.cuda.is_available() and group is None else None
+        self._touched: dict[int, int | None] = {}
         t0 = time.perf_counter()
         if group is None:
             self.runner = r = ModelRunner(cfg)
@@ -400,11 +405,39 @@ class DecodeBench:
         return {"stall_ms": stall, "stall_fraction": stall / step_ms,
                 "late_layer_share": sum(late) / (samples * n), "foreground_ms": sum(fg) / samples}
 
+    @torch.inference_mode()
+    def experts_touched(self, batch: int) -> int | None:
+        """A MoE model's distinct experts a decode step of `batch` random tokens routes to, summed
+        over the layers (one eager step of one-token sequences); None for a dense model."""
+        from oasiskv.engine.sequence import Sequence
+        from oasiskv.sampling_params import SamplingParams
+
+        r = self.runner
+        if not self.mc.num_experts or batch > r.num_pages:
+            return None
+        if batch not in self._touched:
+            gen = torch.Generator().manual_seed(batch)
+            ids = torch.randint(0, self.mc.vocab_size, (batch,), generator=gen)
+            seqs = [Sequence(f"m{i}", [int(t)], SamplingParams(max_tokens=1)) for i, t in enumerate(ids)]
+            for i, s in enumerate(seqs):
+                s.pages = [i]
+            ids, positions, meta = r.prepare_decode(seqs, ids.to(r.device))
+            self._touched[batch] = experts_touched(r.model, lambda: r.model(ids, positions, r.kv_caches, meta))
+        return self._touched[batch]
+
     def _result(self, mode, batch, context, seconds, kv_read, summaries, fetched) -> dict:
-        weights = weight_bytes_per_step(self.weight_config, self.runner.dtype.itemsize)
-        hbm_s = (weights + kv_read + summaries + fetched) / HBM_BYTES_PER_S  # fetched items land in HBM
+        experts = self.experts_touched(batch)
+        weights = weight_bytes_per_step(self.weight_config, self.runner.dtype.itemsize, experts)
+        hbm_bytes = weights + kv_read + summaries + fetched  # fetched items land in HBM
+        hbm_s = hbm_bytes / HBM_BYTES_PER_S
         pcie_s = fetched / PCIE_BYTES_PER_S
-        return {
+        measured = {}
+        if self.ceilings:
+            measured["measured_copy_fraction"] = hbm_bytes / seconds / self.ceilings["copy_bytes_per_s"]
+        if experts is not None:
+            moe_layers = sum(self.mc.is_moe_layer(layer) for layer in range(self.mc.num_layers))
+            measured["experts_touched_per_layer"] = experts / moe_layers
+        return measured | {
             "mode": mode, "batch": batch, "context": context, "fits": True, "async_scheduling": self.overlap,
             "step_ms": 1e3 * seconds, "tpot_ms": 1e3 * seconds, "output_tok_s": batch / seconds,
             "weight_bytes": weights, "kv_read_bytes_per_step": kv_read, "summary_bytes_per_step": summaries,
@@ -510,7 +543,7 @@ def decode_bench_on_rank(group, args) -> int:
               "top_k_blocks": bench.sparse_cfg.top_k_blocks, "sink_blocks": bench.sparse_cfg.sink_blocks,
               "window_blocks": bench.sparse_cfg.window_blocks, "fetch_ratio": bench.sparse_cfg.fetch_ratio,
               "transfer_programs": args.transfer_programs.split(","), "steps": args.steps,
-              "tensor_parallel_size": 1 if group is None else group.size, "runs": []}
+              "tensor_parallel_size": 1 if group is None else group.size, "ceilings": bench.ceilings, "runs": []}
     modes = ["dense", "sparse"] if args.mode == "both" else [args.mode]
     def record(run: dict) -> None:  # print and save as each run ends: a crash keeps what ran
         if not result["runs"]:
@@ -649,7 +682,9 @@ def print_row(r: dict) -> None:
           f"{' fused-merge' if sp and r.get('attention_merge') == 'fused' else ''}"
           f"{' fork ' + r['stages_fork'] if sp and r.get('stages_fork', 'attention') != 'attention' else ''}"
           f"{' tma ' + str(r['transfer_tma_stages']) if sp and r.get('transfer_tma_stages') else ''}"
-          f"{' transfer-priority high' if sp and r.get('transfer_priority') == 'high' else ''}",
+          f"{' transfer-priority high' if sp and r.get('transfer_priority') == 'high' else ''}"
+          f"{' experts %.0f a layer' % r['experts_touched_per_layer'] if 'experts_touched_per_layer' in r else ''}"
+          f"{', %.1f%% of the measured copy rate' % (100 * r['measured_copy_fraction']) if 'measured_copy_fraction' in r else ''}",
           flush=True)
 
 

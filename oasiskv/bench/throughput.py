@@ -7,7 +7,8 @@ import time
 
 import numpy as np
 
-from oasiskv.bench.roofline import HBM_BYTES_PER_S
+from oasiskv.bench.ceilings import measure as measure_ceilings
+from oasiskv.bench.roofline import HBM_BYTES_PER_S, prefill_flops
 from oasiskv.entrypoints.args import engine_config
 
 
@@ -22,6 +23,9 @@ def run_throughput(args) -> int:
     from oasiskv.engine.llm_engine import LLMEngine
     from oasiskv.sampling_params import SamplingParams
 
+    import torch
+
+    ceilings = measure_ceilings() if torch.cuda.is_available() else None  # before the model takes the memory
     t_load = time.perf_counter()
     engine = LLMEngine(engine_config(args))
     load_s = time.perf_counter() - t_load
@@ -36,7 +40,7 @@ def run_throughput(args) -> int:
     while engine.has_unfinished():
         outputs.extend(o for o in engine.step() if o.finished)
     elapsed = time.perf_counter() - start
-    result = summarize(engine, outputs, elapsed, args)
+    result = summarize(engine, outputs, elapsed, args, ceilings)
     result["load_seconds"] = load_s
     print_result(result)
     if args.output_json:
@@ -45,13 +49,21 @@ def run_throughput(args) -> int:
     return 0
 
 
-def summarize(engine, outputs, elapsed: float, args) -> dict:
+def summarize(engine, outputs, elapsed: float, args, ceilings: dict | None = None) -> dict:
     st = engine.step_stats
     n_out = sum(len(o.token_ids) for o in outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     decode_step = st["decode_time"] / max(st["decode_steps"], 1)
     roof_s = st["decode_bytes"] / HBM_BYTES_PER_S
-    return {
+    mc = engine.runner.model_config
+    linear, attention = (sum(x) for x in zip(*(prefill_flops(mc, len(o.prompt_token_ids)) for o in outputs)))
+    prefill_flop_s = (linear + attention) / st["prefill_time"] if st["prefill_time"] else 0.0
+    measured = {"ceilings": ceilings}
+    if ceilings:
+        measured["prefill_gemm_fraction"] = prefill_flop_s / ceilings["bf16_gemm_flops_per_s"]
+        measured["decode_copy_fraction"] = (st["decode_bytes"] / ceilings["copy_bytes_per_s"] / st["decode_time"]
+                                            if st["decode_time"] else 0.0)
+    return measured | {
         "model": engine.runner.model_config.name, "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "device": engine.runner.device.type, "input_len": args.input_len, "output_len": args.output_len,
         "num_prompts": len(outputs), "elapsed_time": elapsed,
@@ -63,6 +75,8 @@ def summarize(engine, outputs, elapsed: float, args) -> dict:
         "decode_bytes_per_step": st["decode_bytes"] / max(st["decode_steps"], 1),
         "decode_roofline_fraction": roof_s / st["decode_time"] if st["decode_time"] else 0.0,
         "prefill_seconds": st["prefill_time"], "decode_seconds": st["decode_time"],
+        "prefill_tokens_per_second": st["prefill_tokens"] / st["prefill_time"] if st["prefill_time"] else 0.0,
+        "prefill_linear_flops": linear, "prefill_attention_flops": attention, "prefill_flops_per_second": prefill_flop_s,
         "num_pages": engine.block_manager.num_pages,
         "cuda_graphs": bool(engine.runner.graphs),
     }
@@ -74,4 +88,11 @@ def print_result(r: dict) -> None:
     print(f"Decode: {r['decode_steps']} steps, mean step {r['mean_decode_step_ms']:.2f} ms at mean batch "
           f"{r['mean_decode_batch']:.1f}, {r['decode_bytes_per_step'] / 1e9:.2f} GB read per step "
           f"(weights + KV), {100 * r['decode_roofline_fraction']:.1f}% of the byte roofline "
-          f"({HBM_BYTES_PER_S / 1e12:.2f} TB/s)")
+          f"({HBM_BYTES_PER_S / 1e12:.2f} TB/s)"
+          + (f", {100 * r['decode_copy_fraction']:.1f}% of this card's measured copy rate "
+             f"({r['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s)" if r.get("ceilings") else ""))
+    print(f"Prefill: {r['prefill_tokens_per_second']:.0f} tokens/s, {r['prefill_flops_per_second'] / 1e12:.1f} "
+          f"TFLOP/s counted ({r['prefill_linear_flops'] / 1e12:.1f} linear + {r['prefill_attention_flops'] / 1e12:.1f} "
+          f"attention TFLOP; a MoE layer's router and top-k experts only)"
+          + (f", {100 * r['prefill_gemm_fraction']:.1f}% of this card's measured bf16 GEMM rate "
+             f"({r['ceilings']['bf16_gemm_flops_per_s'] / 1e12:.0f} TFLOP/s)" if r.get("ceilings") else ""))

@@ -16,7 +16,7 @@ from oasiskv.engine.model_runner import ModelRunner
 from oasiskv.engine.sampler import on_device, read_host
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import PENDING, Sequence, SequenceStatus
-from oasiskv.models.step_bytes import kv_bytes_per_step, weight_bytes_per_step
+from oasiskv.models.step_bytes import experts_touched_bound, kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.models.tokenizer import load_tokenizer
 from oasiskv.sampling_params import SamplingParams
 
@@ -100,7 +100,6 @@ class LLMEngine:
             config.async_scheduling == "auto" and self.runner.device.type == "cuda"))
         self._in_flight: InFlight | None = None
         self._last_done = 0.0
-        self._weight_bytes = weight_bytes_per_step(mc, self.runner.dtype.itemsize)
         self.seqs: dict[str, Sequence] = {}
         # False: outputs carry no text and stop strings are not checked (a front end that
         # detokenizes off the engine's thread does both); stop tokens and lengths still apply.
@@ -303,10 +302,11 @@ class LLMEngine:
         self.step_stats[f"{kind}_steps"] += 1
         self.step_stats[f"{kind}_time"] += seconds
         self.step_stats[f"{kind}_tokens"] += sum(batch.num_tokens)
-        if not batch.is_prefill:  # bytes a decode step must read: weights + every cached K/V
-            r = self.runner
-            self.step_stats["decode_bytes"] += self._weight_bytes + kv_bytes_per_step(
-                r.model_config, r.dtype.itemsize, sum(s.num_tokens - 1 for s in batch.seqs))
+        if not batch.is_prefill:  # bytes a decode step must read: weights (a MoE's at most) + cached K/V
+            r, mc = self.runner, self.runner.model_config
+            experts = experts_touched_bound(mc, len(batch.seqs))
+            self.step_stats["decode_bytes"] += weight_bytes_per_step(mc, r.dtype.itemsize, experts) + kv_bytes_per_step(
+                mc, r.dtype.itemsize, sum(s.num_tokens - 1 for s in batch.seqs))
 
     def postprocess(self, batch, tokens: list[int | None]) -> list[RequestOutput]:
         """Each request's new token: appended, its stop conditions checked, its output made. A

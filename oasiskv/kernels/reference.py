@@ -140,6 +140,16 @@ def random_paged_prefill(spans, Hkv: int, G: int, D: int, dtype, bs: int = 16, s
     return q, kv_cache, table, pages
 
 
+def route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's choice: (weights [T, k] float32, expert ids [T, k]), the top k of the softmax over
+    experts, renormalised to sum to 1 if `renormalize` (the HF config's norm_topk_prob)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """A mixture of SwiGLU experts: token t's output is sum_j topk_weights[t, j] * expert

@@ -6,6 +6,7 @@ kernel (kernels/fused_moe.py) reads any expert by its index.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,16 +16,6 @@ from oasiskv.kernels.fused_moe import fused_moe
 
 if TYPE_CHECKING:
     from oasiskv.models.config import ModelConfig
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k]): the top k of the softmax over experts,
-    renormalised to sum to 1 if `renormalize` (the HF config's norm_topk_prob)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 class Experts(nn.Module):
@@ -43,7 +34,24 @@ class MoeMLP(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.touched: list[int] | None = None  # distinct experts of each call, while `experts_touched` counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        logits = self.gate(x)
+        if self.touched is not None:
+            self.touched.append(logits.topk(self.top_k, dim=-1).indices.unique().numel())
+        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, logits, self.top_k, self.renormalize)
+
+
+def experts_touched(model: nn.Module, run: Callable[[], torch.Tensor]) -> int:
+    """The distinct experts the MoE layers route to while `run()` calls the model eagerly (a host
+    sync a layer: for benchmarks, never inside a captured step), summed over the layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoeMLP)]
+    for m in layers:
+        m.touched = []
+    try:
+        run()
+        return sum(sum(m.touched) for m in layers)
+    finally:
+        for m in layers:
+            m.touched = None

@@ -205,3 +205,29 @@ def test_bench_decode_fetch_ablation_at_several_batches(tmp_path, capsys):
     assert [r["fetch_budget"] for r in runs[n - 1::n]] == ["auto", "auto"]
     out = capsys.readouterr().out
     assert out.count("auto budget") == 2 and "fetch-cap ablation, batch 2, context 600" in out
+
+
+def test_moe_rows_count_the_experts_a_step_routes_to(tmp_path):
+    """A MoE model's weight bytes are those of the experts the batch routes to, not all of them."""
+    from tiny_qwen3_moe import CONFIG, save_tiny_qwen3_moe
+
+    from oasiskv.models.config import ModelConfig
+    from oasiskv.models.step_bytes import weight_bytes_per_step
+
+    save_tiny_qwen3_moe(tmp_path / "moe")
+    out = tmp_path / "decode.json"
+    p = argparse.ArgumentParser()
+    add_decode_args(p)
+    add_engine_args(p)
+    args = p.parse_args(["--model", str(tmp_path / "moe"), "--steps", "2", "--warmup", "1", "--top-k-blocks", "2",
+                         "--host-kv-gb", "0.05", "--kv-cache-gb", "0.05", "--context-len", "64",
+                         "--batch-size", "3", "--mode", "dense", "--output-json", str(out)])
+    assert run_decode_bench(args) == 0
+    (row,) = json.loads(out.read_text())["runs"]
+    mc = ModelConfig.from_json(tmp_path / "moe" / "config.json")
+    per_layer = row["experts_touched_per_layer"]  # 3 tokens, top 2 of 8, in each of the 3 MoE layers
+    assert CONFIG["num_experts_per_tok"] <= per_layer <= 6
+    touched = round(per_layer * 3)
+    assert row["weight_bytes"] == weight_bytes_per_step(mc, 4, touched)
+    every_expert = weight_bytes_per_step(mc, 4)
+    assert every_expert - row["weight_bytes"] == (3 * 8 - touched) * 3 * 64 * 32 * 4

@@ -1,6 +1,7 @@
 """The fused MoE kernels (oasiskv/kernels/fused_moe.py) against `fused_moe_ref`, under Triton's
 CPU interpreter (a subprocess): experts with no tokens, an expert with exactly one token, skewed
-routing, a decode-sized and a prefill-sized batch, widths that are not multiples of the tiles;
+routing, a decode-sized and a prefill-sized batch, widths that are not multiples of the tiles,
+gate and up fused and split; the one-program routing against `route_ref` + `group_by_expert`;
 and the grouping of rows by expert, in torch."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from triton_interpreter import run_under_interpreter
 
 from oasiskv.kernels.fused_moe import fused_moe, group_by_expert
-from oasiskv.kernels.reference import fused_moe_ref
+from oasiskv.kernels.reference import fused_moe_ref, route_ref
 
 E, H, I = 8, 80, 48  # H spans two 64-wide tiles, I one partial tile
 # Error over (|reference| + 1): a few units in the last place in half precision, where the
@@ -37,7 +38,7 @@ def _routing(name: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
 
 
 def compare() -> dict:
-    from oasiskv.kernels.fused_moe import fused_moe_triton
+    from oasiskv.kernels.fused_moe import MoeTiling, fused_moe_triton, route_and_group
     gen = torch.Generator().manual_seed(0)
     out = {}
     for case in ("decode_empty_and_single", "skewed", "prefill"):
@@ -47,16 +48,25 @@ def compare() -> dict:
             w_gate_up = (torch.randn(E, 2 * I, H, generator=gen) * 0.15).to(dtype)  # outputs of order 1
             w_down = (torch.randn(E, H, I, generator=gen) * 0.25).to(dtype)
             want = fused_moe_ref(x, w_gate_up, w_down, weights, ids).float()
-            got = fused_moe_triton(x, w_gate_up, w_down, weights, ids).float()
-            err = ((got - want).abs() / (want.abs() + 1)).max().item()
-            out[f"{case}/{str(dtype)[6:]}"] = err <= TOLERANCE[dtype] or err
+            tilings = [None] + ([MoeTiling(16, split_gate_up=True)] if dtype != torch.float32 else [])
+            for tiling in tilings:
+                got = fused_moe_triton(x, w_gate_up, w_down, weights, ids, tiling).float()
+                err = ((got - want).abs() / (want.abs() + 1)).max().item()
+                out[f"{case}/{str(dtype)[6:]}{'/split' if tiling else ''}"] = err <= TOLERANCE[dtype] or err
+    for T, k, renorm in ((1, 2, True), (5, 2, False), (37, 3, True), (300, 2, True)):  # routing, one program
+        logits = torch.randn(T, E, generator=gen).to(torch.float16)
+        weights, ids, blocks = route_and_group(logits, k, renorm, block_m=16)
+        want_w, want_ids = route_ref(logits, k, renorm)
+        want = group_by_expert(want_ids, E, 16)
+        out[f"route/T{T}k{k}"] = (torch.equal(ids.long(), want_ids) and torch.allclose(weights, want_w, atol=1e-6)
+                                  and torch.equal(blocks.rows, want.rows) and torch.equal(blocks.experts, want.experts))
     return out
 
 
 @pytest.mark.slow
 def test_kernel_matches_reference():
     got = run_under_interpreter(__file__)
-    assert len(got) == 9 and all(v is True for v in got.values()), got
+    assert len(got) == 19 and all(v is True for v in got.values()), got
 
 
 def test_rows_grouped_by_expert():
@@ -75,9 +85,10 @@ def test_rows_grouped_by_expert():
 
 def test_cpu_tensors_take_the_reference():
     gen = torch.Generator().manual_seed(1)
-    weights, ids = _routing("decode_empty_and_single", gen)
+    logits = torch.randn(4, E, generator=gen)
     x, gu, d = torch.randn(4, H, generator=gen), torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I)
-    assert torch.equal(fused_moe(x, gu, d, weights, ids), fused_moe_ref(x, gu, d, weights, ids))
+    want = fused_moe_ref(x, gu, d, *route_ref(logits, 2, True))
+    assert torch.equal(fused_moe(x, gu, d, logits, 2, True), want)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""The ceilings of the GPU a benchmark runs on, measured in the same process: the device copy
+rate (bytes read + written per second) and a large bf16 GEMM's FLOP rate. A fraction printed
+against them is a fraction of what this card does now, not of a datasheet."""
+from __future__ import annotations
+
+import torch
+
+
+def _best_seconds(fn, repeats: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def copy_bytes_per_s(gib: float = 2.0) -> float:
+    """One device-to-device copy of `gib` GiB: read + written bytes over its best time."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    rate = 2 * src.numel() / _best_seconds(lambda: dst.copy_(src))
+    del src, dst
+    return rate
+
+
+def gemm_flops_per_s(n: int = 8192) -> float:
+    """An n x n x n bf16 matmul's FLOPs (2 per multiply-add) over its best time."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    rate = 2 * n**3 / _best_seconds(lambda: a @ b)
+    del a, b
+    return rate
+
+
+def measure() -> dict:
+    return {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bytes_per_s(),
+            "bf16_gemm_flops_per_s": gemm_flops_per_s()}
