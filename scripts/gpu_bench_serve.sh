@@ -90,11 +90,12 @@ run_case() {
 #   l16x16k: 16 x (16K in, 512 out)   l8x32k: 8 x (32K in, 1K out)
 #   For MODEL=qwen3-32b on one card (KV_GB="": each server takes what the card leaves):
 #   m12x4k: 12 x (4K in, 2K out)   m16x8k: 16 x (8K in, 2K out)   m4x36k: 4 x (36K in, 512 out)
+#   c36x16k: 36 x (16K in, 1K out)   c32x16k: 32 x (16K in, 1K out) (MODEL=qwen3-30b-a3b, KV_GB="")
 scenario_load() {  # name -> "prompts input output"
   case $1 in
     r48x6k) echo "48 1024 6144" ;; r24x10k) echo "24 1024 10240" ;; r16x16k) echo "16 1024 16384" ;;
     l16x16k) echo "16 16384 512" ;; l8x32k) echo "8 32768 1024" ;;
-    m12x4k) echo "12 4096 2048" ;; m16x8k) echo "16 8192 2048" ;; m4x36k) echo "4 36864 512" ;; c36x16k) echo "36 16384 1024" ;; *) echo "unknown scenario $1" >&2; return 1 ;;
+    m12x4k) echo "12 4096 2048" ;; m16x8k) echo "16 8192 2048" ;; m4x36k) echo "4 36864 512" ;; c36x16k) echo "36 16384 1024" ;; c32x16k) echo "32 16384 1024" ;; *) echo "unknown scenario $1" >&2; return 1 ;;
   esac
 }
 
@@ -137,9 +138,10 @@ if [ "${1:-}" = scenarios ]; then
   cases=" ${CASES:-dense sparse} "
   sparse_flags=(--sparse --host-kv-gb "${HOST_KV_GB:-92}" ${SPARSE_EXTRA:-})
   t0=$SECONDS
-  # Each server holds its KV limit plus its weights and workspace: ~32 GiB for the 8B, ~70 for the 32B.
+  # Each server holds its KV limit plus its weights and workspace: ~32 GiB for the 8B, ~70 for the
+  # 32B and the 30B-A3B.
   gpu_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) / 1024 ))
-  case $MODEL in *32b*) beside=70 ;; *) beside=32 ;; esac
+  case $MODEL in *32b*|*30b*) beside=70 ;; *) beside=32 ;; esac
   kv_gib=${KV_GB-24}
   if [ -n "$kv_gib" ] && [ "$cases" = " dense sparse " ] && (( gpu_gib >= 2 * (${kv_gib%.*} + beside) )); then
     # Both fit the GPU at once: start them together (the loads, captures and warm-ups overlap),
