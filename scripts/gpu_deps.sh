@@ -3,7 +3,8 @@
 # (Python 3.12, no network, no pip): the server's FastAPI, Starlette, uvicorn, pydantic (+ its
 # compiled core for CPython 3.12 / x86_64), and gguf to read the default model's GGUF there. The
 # machine already has aiohttp, prometheus-client, anyio, h11, click, httpx and uvloop, and
-# transformers' numpy and pyyaml (what gguf imports), so those stay out. About 10 MB.
+# transformers' numpy and pyyaml (what gguf imports), so those stay out; and pytest for tests/gpu/.
+# About 15 MB.
 #
 # Carry it along and put it on the path:
 #   run(carry=[".gpu_site"], command="PYTHONPATH=.:.gpu_site python3 -m oasiskv.entrypoints.cli serve ...")
@@ -19,7 +20,8 @@ rm -rf .gpu_site
     fastapi==0.135.0 starlette==1.10.0 uvicorn==0.54.0 \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
     typing-inspection==0.4.5 typing-extensions==4.16.0 annotated-doc==0.0.7 \
-    gguf==0.19.0
+    gguf==0.19.0 \
+    pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0
 rm -rf .gpu_site/bin
 find .gpu_site -name __pycache__ -prune -exec rm -rf {} +
 du -sh .gpu_site
