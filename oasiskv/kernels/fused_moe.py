@@ -28,7 +28,7 @@ try:
 except ImportError:  # CPU-only installs use the reference alone
     triton = None
 
-FUSED_ROUTING_MAX_ROWS = 1024  # above, the one routing program's [rows, experts] tiles grow too large
+FUSED_ROUTING_MAX_TILE = 16384  # tokens x experts (powers of 2) the one routing program holds at once
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, router_logits: torch.Tensor,
@@ -101,7 +101,7 @@ def fused_moe_routed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     if T == 0:
         return x.new_zeros(0, x.shape[1])
     t = tiling or choose_tiling(T * top_k, E)
-    if T * top_k <= FUSED_ROUTING_MAX_ROWS:
+    if triton.next_power_of_2(T) * triton.next_power_of_2(E) <= FUSED_ROUTING_MAX_TILE:
         weights, _, blocks = route_and_group(router_logits, top_k, renormalize, t.block_m)
     else:
         weights, ids = route_ref(router_logits, top_k, renormalize)
@@ -135,7 +135,7 @@ def route_and_group(logits: torch.Tensor, top_k: int, renormalize: bool,
     tp, kp, nbp = (max(2, triton.next_power_of_2(v)) for v in (T, top_k, num_blocks))
     _route_group_kernel[(1,)](logits, weights, ids, rows, experts, T, E, logits.stride(0), num_blocks,
                               TOP_K=top_k, RENORM=renormalize, TP=tp, EP=max(2, triton.next_power_of_2(E)),
-                              KP=kp, R=tp * kp, NBP=nbp, FILL=nbp * block_m, BM=block_m, num_warps=8)
+                              KP=kp, NBP=nbp, FILL=nbp * block_m, BM=block_m, CH=128, num_warps=8)
     return weights, ids, ExpertBlocks(rows, experts, block_m)
 
 
@@ -247,8 +247,8 @@ if triton is not None:
     @triton.jit
     def _route_group_kernel(logits_ptr, weights_ptr, ids_ptr, rows_ptr, experts_ptr, T, E, stride_l, num_blocks,
                             TOP_K: tl.constexpr, RENORM: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr,
-                            KP: tl.constexpr, R: tl.constexpr, NBP: tl.constexpr, FILL: tl.constexpr,
-                            BM: tl.constexpr):
+                            KP: tl.constexpr, NBP: tl.constexpr, FILL: tl.constexpr, BM: tl.constexpr,
+                            CH: tl.constexpr):
         """One program: softmax over experts, top k (first index on ties), renormalise; then the
         rows (token * k + choice) in expert order, each expert's padded to whole blocks of BM."""
         t = tl.arange(0, TP)
@@ -274,18 +274,26 @@ if triton is not None:
         row = t[:, None] * TOP_K + j[None, :]
         tl.store(weights_ptr + row, w, mask=real)
         tl.store(ids_ptr + row, ids, mask=real)
-        # A row's place: its expert's first slot, plus the rows of that expert before it.
-        flat_ids = tl.reshape(tl.where(real, ids, EP), [R])  # EP: no expert's, for padding
-        flat_row = tl.reshape(row, [R])
-        hot = (flat_ids[:, None] == e[None, :]).to(tl.int32)  # [R, EP] one-hot
-        rank = tl.sum((tl.cumsum(hot, 0) - hot) * hot, 1)
-        padded = (tl.sum(hot, 0) + BM - 1) // BM * BM
-        ends = tl.cumsum(padded, 0)
-        place = tl.sum(hot * (ends - padded)[None, :], 1) + rank
+        n = T * TOP_K
         f = tl.arange(0, FILL)
-        tl.store(rows_ptr + f, tl.zeros((FILL,), dtype=tl.int32) + T * TOP_K, mask=f < num_blocks * BM)
-        tl.debug_barrier()  # the padding lands before the rows overwrite their slots
-        tl.store(rows_ptr + place, flat_row, mask=flat_ids < EP)
+        tl.store(rows_ptr + f, tl.zeros((FILL,), dtype=tl.int32) + n, mask=f < num_blocks * BM)  # padding
+        tl.debug_barrier()  # the ids and the padding land before they are read back or overwritten
+        # The rows in expert order, CH at a time from the stored ids (a one-hot [CH, EP] table):
+        # first each expert's count, then each row's place, its expert's next free slot.
+        counts = tl.zeros((EP,), dtype=tl.int32)
+        for c in range(0, n, CH):
+            r = c + tl.arange(0, CH)
+            hot = (tl.load(ids_ptr + r, mask=r < n, other=EP)[:, None] == e[None, :]).to(tl.int32)
+            counts += tl.sum(hot, 0)
+        padded = (counts + BM - 1) // BM * BM
+        ends = tl.cumsum(padded, 0)
+        free = ends - padded
+        for c in range(0, n, CH):
+            r = c + tl.arange(0, CH)
+            hot = (tl.load(ids_ptr + r, mask=r < n, other=EP)[:, None] == e[None, :]).to(tl.int32)
+            place = tl.sum(hot * (free[None, :] + tl.cumsum(hot, 0) - hot), 1)
+            tl.store(rows_ptr + place, r, mask=r < n)
+            free += tl.sum(hot, 0)
         b = tl.arange(0, NBP)
         expert = tl.sum(((ends[None, :] <= b[:, None] * BM) & e_ok[None, :]).to(tl.int32), 1)
         tl.store(experts_ptr + b, tl.where(expert < E, expert, -1), mask=b < num_blocks)
