@@ -165,3 +165,18 @@ def test_shrunken_30b_a3b_runs_with_dummy_weights(tmp_path):
     out = LLM(str(tmp_path / "config.json"), load_format="dummy", max_model_len=256).generate(
         list(range(1, 30)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
+
+
+@pytest.mark.slow
+def test_eval_passkey_runs_and_sparse_at_a_full_budget_answers_as_dense(tiny, tmp_path):
+    """The accuracy plumbing on a MoE model: random weights answer nonsense, but the sparse run
+    (K = 64 blocks hold the whole 400-token prompt) answers the dense run's nonsense."""
+    from oasiskv.entrypoints.cli import main as cli_main
+
+    out = tmp_path / "pk.json"
+    assert cli_main(["eval", "passkey", "--model", str(tiny[0]), "--context-len", "400", "--depths", "0.3", "0.7",
+                     "--seeds", "0", "--drafters", "self", "--sparse-threshold", "128", "--top-k-blocks", "64",
+                     "--output-json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    answers = {name: [c["answer"] for c in run["per_case"]] for name, run in runs.items()}
+    assert len(answers["dense"]) == 2 and answers["self"] == answers["dense"]
