@@ -151,24 +151,29 @@ def run_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     precision = "ieee" if (upcast or x.dtype == torch.float32) else "tf32"
     num_blocks, launch = blocks.experts.numel(), dict(num_warps=t.num_warps, num_stages=t.num_stages)
     tile = dict(BM=t.block_m, BN=t.block_n, BK=t.block_k, UPCAST=upcast, PRECISION=precision)
+
+    def even(n_cols: int, k: int) -> dict:  # which masks the tiles make unnecessary
+        return dict(EVEN_K=k % t.block_k == 0, EVEN=k % t.block_k == 0 and n_cols % t.block_n == 0)
     weights = topk_weights.reshape(-1).float()
     if t.split_gate_up:
         gate_up = torch.empty(n, two_i, device=x.device, dtype=x.dtype)
         _expert_gemm_kernel[(num_blocks, triton.cdiv(two_i, t.block_n))](
             x, w_gate_up, weights, gate_up, blocks.rows, blocks.experts, n, two_i, H,
             x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), gate_up.stride(0),
-            A_DIV=top_k, SCALE=False, **tile, **launch)
+            A_DIV=top_k, SCALE=False, **tile, **even(two_i, H), **launch)
         gate, up = gate_up.float().chunk(2, dim=-1)
         inter = (F.silu(gate) * up).to(x.dtype)
     else:
         inter = torch.empty(n, I, device=x.device, dtype=x.dtype)
         _gate_up_kernel[(num_blocks, triton.cdiv(I, t.block_n))](
             x, w_gate_up, inter, blocks.rows, blocks.experts, n, I, H,
-            x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter.stride(0), TOP_K=top_k, **tile, **launch)
+            x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter.stride(0), TOP_K=top_k, **tile,
+            **even(I, H), **launch)
     out = torch.empty(n, H, device=x.device, dtype=x.dtype)
     _expert_gemm_kernel[(num_blocks, triton.cdiv(H, t.block_n))](
         inter, w_down, weights, out, blocks.rows, blocks.experts, n, H, I,
-        inter.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), A_DIV=1, SCALE=True, **tile, **launch)
+        inter.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), A_DIV=1, SCALE=True, **tile,
+        **even(H, I), **launch)
     return out.view(T, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
@@ -182,6 +187,24 @@ if triton is not None:
         return expert.to(tl.int64), rows.to(tl.int64), rows < num_rows
 
     @triton.jit
+    def _load_rows(ptrs, real, ks, K, EVEN_K: tl.constexpr):
+        """A [BM, BK] tile of the block's rows; without a mask on k where BK divides K."""
+        if EVEN_K:
+            a = tl.load(ptrs, mask=real[:, None], other=0.0)
+        else:
+            a = tl.load(ptrs, mask=real[:, None] & (ks < K)[None, :], other=0.0)
+        return a
+
+    @triton.jit
+    def _load_weights(ptrs, ks, cols, K, N, EVEN: tl.constexpr):
+        """A [BK, BN] tile of an expert's weights; unmasked where the tiles divide K and N."""
+        if EVEN:
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
+        return w
+
+    @triton.jit
     def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -191,7 +214,8 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr, num_rows, N, K,
                         stride_x, stride_we, stride_wn, stride_o,
                         TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                        EVEN: tl.constexpr):
         """out[row, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's rows;
         w: [E, 2N, K], gate rows first."""
         expert, rows, real = _block_rows(rows_ptr, experts_ptr, num_rows, BM)
@@ -205,11 +229,9 @@ if triton is not None:
         up = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
-            k_ok = ks < K
-            a = tl.load(x_ptr + token[:, None] * stride_x + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
-            w_ok = k_ok[:, None] & col_ok[None, :]
-            wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_ok, other=0.0)  # [BK, BN]
-            wu = tl.load(w_base + (N + cols[None, :]) * stride_wn + ks[:, None], mask=w_ok, other=0.0)
+            a = _load_rows(x_ptr + token[:, None] * stride_x + ks[None, :], real, ks, K, EVEN_K)
+            wg = _load_weights(w_base + cols[None, :] * stride_wn + ks[:, None], ks, cols, K, N, EVEN)  # [BK, BN]
+            wu = _load_weights(w_base + (N + cols[None, :]) * stride_wn + ks[:, None], ks, cols, K, N, EVEN)
             gate = _dot(a, wg, gate, UPCAST, PRECISION)
             up = _dot(a, wu, up, UPCAST, PRECISION)
         y = gate / (1.0 + tl.exp(-gate)) * up
@@ -220,7 +242,8 @@ if triton is not None:
     def _expert_gemm_kernel(a_ptr, w_ptr, weights_ptr, out_ptr, rows_ptr, experts_ptr, num_rows, N, K,
                             stride_a, stride_we, stride_wn, stride_o,
                             A_DIV: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                            BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                            EVEN_K: tl.constexpr, EVEN: tl.constexpr):
         """out[row, n] = a[row // A_DIV] . w[e, n] for the block's rows, times the row's routing
         weight if SCALE; w: [E, N, K]. A_DIV = k reads a token's hidden state for each of its rows."""
         expert, rows, real = _block_rows(rows_ptr, experts_ptr, num_rows, BM)
@@ -233,11 +256,8 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
-            k_ok = ks < K
-            a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=real[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                        other=0.0)
+            a = _load_rows(a_ptr + a_rows[:, None] * stride_a + ks[None, :], real, ks, K, EVEN_K)
+            w = _load_weights(w_base + cols[None, :] * stride_wn + ks[:, None], ks, cols, K, N, EVEN)
             acc = _dot(a, w, acc, UPCAST, PRECISION)
         if SCALE:
             acc = acc * tl.load(weights_ptr + rows, mask=real, other=0.0)[:, None]  # the routing weight
