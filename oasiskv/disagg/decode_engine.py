@@ -78,9 +78,12 @@ class DecodeEngine(LLMEngine):
 
     # ---- intake ---------------------------------------------------------------------------
     def expect_admission(self, request_id: str, adm: Admission, url: str, nbytes: int) -> None:
-        """From the HTTP side, before the request is added (a dict store: safe across threads)."""
+        """From the HTTP side, before the request is added (a dict store and a queued op: safe
+        across threads). The lease the fetch claimed is renewed from now on, not from when the
+        engine thread gets to the request: a busy engine must not let it lapse."""
         self.totals["admission_bytes"] += nbytes
         self._incoming[request_id] = (adm, url)
+        self.heartbeats.hold(url, adm.request_id, adm.lease_ttl_s)
 
     def discard_admission(self, request_id: str) -> None:
         """The HTTP side gave up on a request between its admission's fetch and its start."""
@@ -105,7 +108,6 @@ class DecodeEngine(LLMEngine):
             raise
         adm.request_id = request_id
         self.tracked[request_id] = (url, prefill_id)  # full: until its transfer is done
-        self.heartbeats.hold(url, prefill_id, adm.lease_ttl_s)
         self.totals["admissions"] += 1
         self._waiting.append((adm, url, request_id, params))
         self._admit_waiting()

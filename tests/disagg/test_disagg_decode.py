@@ -301,6 +301,21 @@ class Leases:
         pass
 
 
+def test_the_lease_is_renewed_from_the_fetch_not_from_the_engine_thread(prefill):
+    """Heartbeats start when the HTTP side hands the fetched admission over, before the engine
+    thread adds the request: a busy engine cannot let the lease lapse. A discarded one stops."""
+    engine = DecodeEngine(EngineConfig.from_flat(**CONFIG), SocketTransport(), remote_kv_gb=0.4)
+    engine.heartbeats.close()
+    engine.heartbeats = Leases()
+    try:
+        engine.expect_admission("r", Admission.from_bytes(prefill["full"].to_bytes()), "http://p", 10)
+        assert engine.heartbeats.holding == {"http://p"}
+        engine.discard_admission("r")
+        assert engine.heartbeats.holding == set()
+    finally:
+        engine.close()
+
+
 def test_decode_engine_fails_only_the_full_admission_whose_peer_dies(prefill):
     """The decode role's engine admits two full admissions, each from its own peer (prefill url:
     its name here); the first
