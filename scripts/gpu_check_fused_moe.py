@@ -22,8 +22,8 @@ import os
 import torch
 
 from oasiskv.bench.ceilings import measure
-from oasiskv.kernels.fused_moe import (MoeTiling, choose_tiling, fused_moe_routed, fused_moe_triton, group_by_expert,
-                                       route_and_group)
+from oasiskv.kernels.fused_moe import (MoeTiling, choose_tiling, experts_grouped_mm, fused_moe_routed,
+                                       fused_moe_triton, group_by_expert, route_and_group)
 from oasiskv.kernels.reference import fused_moe_ref, route_ref
 
 E, K, H, I, LAYERS = 128, 8, 2048, 768, 4
@@ -75,6 +75,13 @@ def main() -> None:
             err = ((got - want).abs() / (want.abs() + 1)).max().item()
             out["checks"].append({"tokens": T, "split_gate_up": split, "err": err, "ok": err < 4e-2})
             print(f"check T={T:5d} split={split}: max err {err:.2e} {'ok' if err < 4e-2 else 'FAIL'}", flush=True)
+        try:  # torch's grouped GEMM, a candidate for prefill
+            got = experts_grouped_mm(x, gate_up[0], down[0], w, ids).float()
+            err = ((got - want).abs() / (want.abs() + 1)).max().item()
+            out["checks"].append({"tokens": T, "grouped_mm": True, "err": err, "ok": err < 4e-2})
+            print(f"check T={T:5d} torch._grouped_mm: max err {err:.2e} {'ok' if err < 4e-2 else 'FAIL'}", flush=True)
+        except (RuntimeError, AttributeError) as e:  # not on this torch or card: timed below if it is
+            print(f"check T={T:5d} torch._grouped_mm: unavailable ({e})", flush=True)
         if T <= 128:  # fp32 logits: bf16's would tie, and ties may go either way
             logits = x.float() @ gates[0].float().T
             rw, rids, blocks = route_and_group(logits, K, True, 16)
@@ -131,6 +138,17 @@ def main() -> None:
         out["prefill"].append(row)
         print(f"prefill T={T} {row['tiling']}: {ms:.3f} ms/layer, {row['tflops']:.0f} TFLOP/s, "
               f"{100 * frac:.1f}% of the GEMM rate", flush=True)
+
+    try:
+        ms = graph_ms(lambda: [experts_grouped_mm(x, gu, d, w, ids)
+                               for gu, d, (w, ids) in zip(gate_up, down, routes)], replays=5) / LAYERS
+        frac = flops / (ms / 1e3) / ceil["bf16_gemm_flops_per_s"]
+        out["prefill"].append({"tokens": T, "tiling": "torch._grouped_mm", "default": False, "ms_per_layer": ms,
+                               "tflops": flops / (ms / 1e3) / 1e12, "gemm_fraction": frac})
+        print(f"prefill T={T} torch._grouped_mm: {ms:.3f} ms/layer, {flops / (ms / 1e3) / 1e12:.0f} TFLOP/s, "
+              f"{100 * frac:.1f}% of the GEMM rate", flush=True)
+    except (RuntimeError, AttributeError) as e:
+        print(f"prefill torch._grouped_mm: {type(e).__name__}: {e}", flush=True)
 
     for T in (1, 16, 64):  # the whole layer as the model runs it, default tiles
         x, routes = inputs(T)

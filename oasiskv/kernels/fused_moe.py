@@ -139,6 +139,24 @@ def route_and_group(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids, ExpertBlocks(rows, experts, block_m)
 
 
+def experts_grouped_mm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts as torch's grouped GEMM (`torch._grouped_mm`, CUTLASS on Hopper): the rows
+    gathered into expert order, one ragged GEMM for gate and up and one for down, no padding."""
+    T, k = topk_ids.shape
+    E, H = w_gate_up.shape[0], x.shape[1]
+    expert = topk_ids.reshape(-1).long()
+    order = torch.sort(expert, stable=True).indices
+    counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, expert, torch.ones_like(expert))
+    ends = counts.cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(x[order // k], w_gate_up.transpose(1, 2), offs=ends).float().chunk(2, dim=-1)
+    inter = (F.silu(gate) * up).to(x.dtype)
+    y = torch._grouped_mm(inter, w_down.transpose(1, 2), offs=ends).float() * topk_weights.reshape(-1)[order, None]
+    out = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    out[order] = y.to(x.dtype)
+    return out.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+
+
 def run_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                 blocks: ExpertBlocks, top_k: int, t: MoeTiling) -> torch.Tensor:
     T, H = x.shape
