@@ -64,7 +64,7 @@ def servers(request):
                                  "--api-key", KEY, "--log-level", "warning"], start_new_session=True)
     decode = [*engine, "--role", "decode", "--prefill-peers", url["prefill"]]
     procs = {
-        "prefill": start_server([*engine, "--role", "prefill"], HOST, ports["prefill"],
+        "prefill": start_server([*engine, "--role", "prefill", "--kv-lease-ttl", "3"], HOST, ports["prefill"],
                                 wait=False),
         "decode": start_server([*decode, "--rpf-strict"], HOST, ports["decode"], wait=False),
         "decode_default": start_server(decode, HOST, ports["decode_default"], wait=False),
