@@ -2,13 +2,15 @@
 
 Dequantizing a Q4_K_M file on CPU takes minutes; reading the safetensors back takes seconds.
 The file is written tensor by tensor at offsets fixed by a header built from the shapes the
-model expects, so the model is never held twice in memory, under a temporary name renamed
-only once every tensor is in.
+model expects, so the model is never held twice in memory, under a temporary name of the
+writing process's own (two may load the model for the first time at once), renamed only once
+every tensor is in.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -34,7 +36,7 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: tor
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
     base = 8 + len(blob)
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     written = set()
     try:
         with open(tmp, "wb") as f:
