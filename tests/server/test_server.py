@@ -239,7 +239,7 @@ BAD = [
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ("tools", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
     ("tool-choice", "/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
-    ("response-format", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+    ("response-format", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}},
      400, "response_format"),
     ("echo-stream", "/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
 ]

@@ -32,6 +32,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     serving.check_supported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "`top_logprobs` needs `logprobs`: true", param="top_logprobs")
+    structured = await serving.structured_output(req)
     prompt = await serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
                                        req.chat_template_kwargs)
     ids = await serving.encode(prompt, "messages")
@@ -39,7 +40,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     top = req.top_logprobs or 0
     logprobs = top if req.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    specs = [(j, f"{rid}-{j}", ids, serving.sampling_params(req, max_tokens, j, logprobs), req.text_options())
+    specs = [(j, f"{rid}-{j}", ids, serving.sampling_params(req, max_tokens, j, logprobs, structured=structured),
+              req.text_options())
              for j in range(req.n)]
     choices = await serving.start(specs, req.kv_transfer_params, req.stream)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.model_name}

@@ -1,0 +1,113 @@
+"""Structured output in the engine: every constrained output validates against its schema (or
+matches its regex or choice), a finished grammar ends the request with "stop", a request without
+a grammar decodes as it would alone, and an aborted request lets its matcher go."""
+from __future__ import annotations
+
+import gc
+import json
+import re
+import sys
+import weakref
+
+import jsonschema
+import pytest
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.engine.structured_output import INSTALL_HINT
+from oasiskv.sampling_params import StructuredOutput
+
+NAME = {"type": "string", "maxLength": 12}
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "name": NAME, "address": {"type": "object", "properties": {"city": NAME, "zip": {
+            "type": "integer", "minimum": 0, "maximum": 99999}}, "required": ["city", "zip"],
+            "additionalProperties": False}}, "required": ["name", "address"], "additionalProperties": False},
+    "enum": {"type": "object", "properties": {"role": {"enum": ["admin", "user", "guest"]},
+                                              "active": {"type": "boolean"}},
+             "required": ["role", "active"], "additionalProperties": False},
+    "array": {"type": "object", "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}},
+              "required": ["tags"], "additionalProperties": False},
+}
+QUESTION = "Give me a JSON record about a person."
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512)
+
+
+def chat(llm, text: str = QUESTION) -> str:
+    return llm.apply_chat_template([{"role": "user", "content": text}])
+
+
+def constrained(kind: str, spec=None, **kw) -> SamplingParams:
+    return SamplingParams(temperature=kw.pop("temperature", 0), max_tokens=kw.pop("max_tokens", 60),
+                          structured=StructuredOutput(kind, spec), **kw)
+
+
+def assert_valid(out, schema: dict) -> None:
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_outputs_validate_and_a_plain_request_is_unchanged(llm):
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([chat(llm)], [plain])[0]
+    names = list(SCHEMAS)
+    params = [constrained("json_schema", SCHEMAS[n]) for n in names]
+    params.append(constrained("json_object", temperature=0.8, seed=3))
+    outs = llm.generate([chat(llm)] * (len(params) + 1), params + [plain])
+    for name, out in zip(names, outs):
+        assert_valid(out, SCHEMAS[name])
+    assert isinstance(json.loads(outs[len(names)].text), dict)
+    assert outs[-1].token_ids == alone.token_ids  # greedy, in a batch with grammared rows
+
+
+def test_regex_and_choice_end_with_stop(llm):
+    outs = llm.generate([chat(llm, "Give a code."), chat(llm, "Is the sky blue?")],
+                        [constrained("regex", r"[0-9]{3}-[a-z]{2}"), constrained("choice", ["yes", "no", "maybe"])])
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[0].text) and outs[0].finish_reason == "stop"
+    assert outs[1].text in ("yes", "no", "maybe") and outs[1].finish_reason == "stop"
+    assert len(outs[1].token_ids) < 60  # ended by the grammar, not by max_tokens
+
+
+def test_abort_mid_grammar_frees_the_matcher(llm):
+    engine = llm.engine
+    rid = engine.add_request(chat(llm), constrained("json_schema", SCHEMAS["nested"]))
+    matcher = weakref.ref(engine.seqs[rid].grammar)
+    for _ in range(3):
+        engine.step()
+    engine.abort(rid)
+    gc.collect()
+    assert matcher() is None and not engine.has_unfinished()
+    again = llm.generate([chat(llm)], [constrained("json_schema", SCHEMAS["enum"])])[0]
+    assert_valid(again, SCHEMAS["enum"])
+
+
+def test_bad_spec_and_missing_library_are_value_errors(llm, monkeypatch):
+    with pytest.raises(ValueError, match="invalid json schema: Invalid type"):
+        llm.engine.add_request("hi", constrained("json_schema", {"type": "nope"}))
+    with pytest.raises(ValueError, match="invalid regex"):
+        llm.engine.add_request("hi", constrained("regex", "a(b"))
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed
+    with pytest.raises(ValueError, match=re.escape(INSTALL_HINT)):
+        llm.engine.add_request("hi", constrained("json_object"))
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", ["off", "on"])
+def test_sparse_outputs_validate(pipeline):
+    """Prompts past the threshold decode sparse (in-line path and the batched pipeline); the
+    draft rows are masked after their drafts but never advance the grammar."""
+    llm = LLM(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, sink_blocks=1, sparse_threshold=256,
+              fetch_ratio=0.25, host_kv_gb=0.25, sparse_pipeline=pipeline)
+    filler = "Records are kept in a ledger, one line each, and checked every evening. " * 25
+    prompt = chat(llm, filler + QUESTION)
+    assert len(llm.tokenizer.encode(prompt)) > 300
+    names = ["nested", "array"]
+    outs = llm.generate([prompt] * 3, [constrained("json_schema", SCHEMAS[n]) for n in names]
+                        + [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])
+    for name, out in zip(names, outs):
+        assert_valid(out, SCHEMAS[name])
+        assert out.stats["sparse_steps"] > 0
