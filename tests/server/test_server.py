@@ -239,8 +239,14 @@ BAD = [
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ("tools", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
     ("tool-choice", "/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
+    # Structured output: a malformed or invalid spec is a 400 naming the field.
     ("response-format", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}},
      400, "response_format"),
+    ("bad-json-schema", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400, "response_format"),
+    ("bad-guided-regex", "/v1/completions", {"prompt": "hi", "guided_regex": "a(b"}, 400, "guided_regex"),
+    ("two-constraints", "/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
     ("echo-stream", "/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
 ]
 @pytest.mark.parametrize("path,body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
