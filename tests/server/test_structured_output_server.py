@@ -49,8 +49,9 @@ def test_openai_client_json_schema(base):
     streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=60,
                                               temperature=0, response_format=fmt, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=60,
-                                       temperature=0.7, seed=1, response_format={"type": "json_object"})
+    banana = [{"role": "user", "content": "Describe a banana as a JSON object with keys name and color."}]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=banana, max_tokens=60,
+                                       temperature=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
