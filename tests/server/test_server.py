@@ -247,6 +247,12 @@ BAD = [
     ("bad-guided-regex", "/v1/completions", {"prompt": "hi", "guided_regex": "a(b"}, 400, "guided_regex"),
     ("two-constraints", "/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400,
      "guided_choice"),
+    ("structured-disaggregated", "/v1/completions", {"prompt": "hi", "guided_choice": ["a"],
+                                                     "kv_transfer_params": {}}, 400, "response_format"),
+    # tools render through the chat template only with tool_choice "none" (calls are not parsed yet).
+    ("tool-without-function", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}],
+                                                       "tool_choice": "none"}, 400, "tools"),
+    ("tools-on-completions", "/v1/completions", {"prompt": "hi", "tools": []}, 400, "tools"),
     ("echo-stream", "/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
 ]
 @pytest.mark.parametrize("path,body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])

@@ -1,5 +1,6 @@
 """Structured output through the server: response_format with the official openai client (chat,
-streamed too) and vLLM's guided_* on /v1/completions; each output validates."""
+streamed too) and vLLM's guided_* on /v1/completions; each output validates. And `tools` with
+`tool_choice` "none", rendered through the chat template."""
 from __future__ import annotations
 
 import json
@@ -63,3 +64,11 @@ def test_guided_fields_on_completions(base):
                                                "guided_json": SCHEMA})
     assert status == 200, r
     jsonschema.validate(json.loads(r["choices"][0]["text"]), SCHEMA)
+
+
+def test_tools_with_tool_choice_none(base):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    status, r = call(base, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "tools": tools,
+                                                    "tool_choice": "none"})
+    assert status == 200 and r["choices"][0]["message"]["content"], r

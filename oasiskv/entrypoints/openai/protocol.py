@@ -64,7 +64,7 @@ class StreamOptions(_Strict):
 
 
 # Fields OpenAI or vLLM define that are refused with a 400 naming them (see serving.check_supported).
-NOT_SUPPORTED = ("tools", "tool_choice", "functions", "function_call",
+NOT_SUPPORTED = ("functions", "function_call",
                  "parallel_tool_calls", "suffix", "guided_grammar", "prompt_logprobs", "audio", "modalities",
                  "prediction", "store", "metadata", "reasoning_effort", "web_search_options",
                  "service_tier")
@@ -102,8 +102,6 @@ class _SamplingFields(_Strict):
     guided_regex: Any = None
     guided_choice: Any = None
     # Declared only to be refused by name (serving.check_supported).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
@@ -173,6 +171,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the prompt ends inside the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (e.g. enable_thinking)
+    tools: Any = None  # read by tools.py: rendered through the template with tool_choice "none"
+    tool_choice: Any = None
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -216,7 +216,8 @@ class OpenAIServing:
         return await self._in_pool(lambda: tok.decode(ids, skip_special_tokens=True), utility=utility)
 
     async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                          continue_final_message: bool = False, template_kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> str:
         tok = self._need_tokenizer("messages")
         if not tok.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -232,7 +233,7 @@ class OpenAIServing:
         try:
             return await self._in_pool(lambda: tok.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **kwargs))
+                continue_final_message=continue_final_message, tools=tools, **kwargs))
         except Exception as e:  # the template rejects the conversation (e.g. a bad role order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -245,6 +246,9 @@ class OpenAIServing:
         """Submit (index, request id, prompt ids, params, text options) each; all or none.
         `transfer`: the request's kv_transfer_params (a prefill or decode server's request)."""
         if transfer is not None:
+            if any(spec[3].structured is not None for spec in specs):  # the decode side has no grammar
+                raise APIError(400, "structured output is not supported for disaggregated requests yet",
+                               param="response_format", code="unsupported_parameter")
             if self.disagg is None:
                 raise APIError(400, "`kv_transfer_params` needs a server started with --role prefill or decode",
                                param="kv_transfer_params")
