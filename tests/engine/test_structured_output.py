@@ -50,6 +50,7 @@ def assert_valid(out, schema: dict) -> None:
     jsonschema.validate(json.loads(out.text), schema)
 
 
+@pytest.mark.slow
 def test_outputs_validate_and_a_plain_request_is_unchanged(llm):
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     alone = llm.generate([chat(llm)], [plain])[0]
@@ -80,8 +81,8 @@ def test_abort_mid_grammar_frees_the_matcher(llm):
     engine.abort(rid)
     gc.collect()
     assert matcher() is None and not engine.has_unfinished()
-    again = llm.generate([chat(llm)], [constrained("json_schema", SCHEMAS["enum"])])[0]
-    assert_valid(again, SCHEMAS["enum"])
+    again = llm.generate([chat(llm, "Is the sky blue?")], [constrained("choice", ["yes", "no"])])[0]
+    assert again.text in ("yes", "no") and again.finish_reason == "stop"
 
 
 def test_bad_spec_and_missing_library_are_value_errors(llm, monkeypatch):
