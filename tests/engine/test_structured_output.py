@@ -11,9 +11,10 @@ import weakref
 
 import jsonschema
 import pytest
+import torch
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.engine.structured_output import INSTALL_HINT
+from oasiskv.engine.structured_output import INSTALL_HINT, apply_bitmask
 from oasiskv.sampling_params import StructuredOutput
 
 NAME = {"type": "string", "maxLength": 12}
@@ -96,6 +97,31 @@ def test_bad_spec_and_missing_library_are_value_errors(llm, monkeypatch):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("vocab", [64, 100, 49152])
+def test_apply_bitmask_as_the_bits_say(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    masks = torch.randint(-2**31, 2**31, (3, words), dtype=torch.int64, generator=gen).to(torch.int32)
+    logits = torch.randn(3, vocab, generator=gen)
+    got = logits.clone()
+    apply_bitmask(got, masks)
+    for b in range(3):  # the reference: bit t % 32 of word t // 32, one token at a time
+        m = masks[b].tolist()
+        want = [logits[b, t].item() if (m[t // 32] >> (t % 32)) & 1 else float("-inf") for t in range(vocab)]
+        assert got[b].tolist() == want
+
+
+def test_a_draft_never_advances_the_grammar(llm):
+    grammar = llm.engine.grammars.matcher(StructuredOutput("choice", ["yes", "no"]))
+    before = grammar.mask()
+    allowed = [t for t in range(before.shape[0] * 32) if (before[t // 32] >> (t % 32)) & 1]
+    after = grammar.draft_mask(allowed[0])
+    assert after is not None and not torch.equal(after, before)
+    assert torch.equal(grammar.mask(), before)  # as it was
+    refused = next(t for t in range(1000) if t not in allowed)
+    assert grammar.draft_mask(refused) is None and torch.equal(grammar.mask(), before)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline", ["off", "on"])
 def test_sparse_outputs_validate(pipeline):
@@ -106,9 +132,10 @@ def test_sparse_outputs_validate(pipeline):
     filler = "Records are kept in a ledger, one line each, and checked every evening. " * 25
     prompt = chat(llm, filler + QUESTION)
     assert len(llm.tokenizer.encode(prompt)) > 300
-    names = ["nested", "array"]
-    outs = llm.generate([prompt] * 3, [constrained("json_schema", SCHEMAS[n]) for n in names]
-                        + [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])
+    names = ["nested", "array", "nested"]
+    params = [constrained("json_schema", SCHEMAS[n]) for n in names[:2]]
+    params.append(constrained("json_schema", SCHEMAS["nested"], temperature=0.8, seed=1, max_tokens=80))
+    outs = llm.generate([prompt] * 4, params + [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])
     for name, out in zip(names, outs):
         assert_valid(out, SCHEMAS[name])
         assert out.stats["sparse_steps"] > 0
