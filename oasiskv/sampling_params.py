@@ -97,6 +97,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError("structured must be a StructuredOutput")
+        if self.structured is not None and self.min_tokens:  # it could hold back the only token allowed
+            raise ValueError("min_tokens does not go with structured output: the grammar decides where it ends")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 INSTALL_HINT = "structured output needs the `llguidance` package: pip install llguidance"
+NAMES = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "choice": "choice"}
 
 
 def _llguidance():
@@ -78,7 +79,7 @@ class Grammars:
         ll = _llguidance()
         m = ll.LLMatcher(self._tokenizer(), grammar_text(so))
         if m.is_error():
-            raise ValueError(f"invalid {so.kind.replace('_', ' ')}: {m.get_error()}")
+            raise ValueError(f"invalid {NAMES[so.kind]}: {m.get_error()}")
         return RequestGrammar(m, self.vocab_size)
 
     def check(self, so: StructuredOutput) -> None:
@@ -122,7 +123,7 @@ class RequestGrammar:
 
 
 def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> None:
-    """logits [B, V] -= inf where the bitmasks [B, words] (on the host) have a 0 bit."""
+    """logits [B, V] set to -inf, in place, where the bitmasks [B, words] (on the host) have a 0 bit."""
     V = logits.shape[1]
     masks = masks.to(logits.device, non_blocking=True)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)

@@ -87,8 +87,10 @@ def test_abort_mid_grammar_frees_the_matcher(llm):
 
 
 def test_bad_spec_and_missing_library_are_value_errors(llm, monkeypatch):
-    with pytest.raises(ValueError, match="invalid json schema: Invalid type"):
+    with pytest.raises(ValueError, match="invalid JSON schema: Invalid type"):
         llm.engine.add_request("hi", constrained("json_schema", {"type": "nope"}))
+    with pytest.raises(ValueError, match="^min_tokens"):
+        constrained("json_object", min_tokens=2)
     with pytest.raises(ValueError, match="invalid regex"):
         llm.engine.add_request("hi", constrained("regex", "a(b"))
     monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed
