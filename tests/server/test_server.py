@@ -15,11 +15,11 @@ import time
 import urllib.request
 
 import pytest
-from server_client import call, free_port, metrics, stream_events, wait_idle
+from server_client import call, free_port, metrics, stream_events, wait_idle, wait_started
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.engine.llm_engine import RequestOutput
-from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -48,11 +48,7 @@ def server(tmp_path_factory):
 def llm(server):
     llm = LLM(**ENGINE)  # loads while the server process loads the same model
     proc, base, log = server
-    try:
-        wait_for_health(base, 300, proc)
-    except Exception:
-        log.seek(0)
-        raise RuntimeError("server did not start:\n" + log.read()[-3000:])
+    wait_started(base, proc, log)
     return llm
 
 

@@ -8,9 +8,9 @@ import signal
 
 import jsonschema
 import pytest
-from server_client import call, free_port
+from server_client import call, free_port, wait_started
 
-from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 
 pytestmark = pytest.mark.server
 
@@ -28,11 +28,7 @@ def base(tmp_path_factory):
     proc = start_server(["--max-model-len", "512", "--log-level", "warning"], "127.0.0.1", port, wait=False,
                         stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_health(url, 300, proc)
-    except Exception:
-        log.seek(0)
-        raise RuntimeError("server did not start:\n" + log.read()[-3000:])
+    wait_started(url, proc, log)
     yield url
     assert stop_server(proc) in (0, -signal.SIGTERM)
     log.close()
