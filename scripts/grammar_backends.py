@@ -1,10 +1,12 @@
 """Times the two grammar libraries OasisKV could constrain decoding with (xgrammar, llguidance)
 on this CPU, with a model's own tokenizer: the tokenizer set-up (once per engine), the compile of
 a nested JSON schema (once per schema), and per generated token the mask fill plus the state
-advance, over the tokens of a valid instance. The numbers are in docs/serving.md.
+advance, over the tokens of a valid instance; and each library's mask application beside the
+engine's own (`apply_bitmask`). The numbers are in docs/serving.md.
 
 Usage: .venv/bin/python scripts/grammar_backends.py [model ...]   (default: the embedded
-SmolLM2-135M and the downloaded qwen2.5-coder-0.5b); a library that is not installed is skipped.
+SmolLM2-135M and the downloaded qwen2.5-coder-0.5b); a library that is not installed is skipped
+(`.venv/bin/pip install xgrammar` to time it too: it is no dependency of OasisKV).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from oasiskv.engine.structured_output import apply_bitmask
 from oasiskv.models.loader import resolve_model
 from oasiskv.models.tokenizer import load_tokenizer
 
@@ -124,6 +127,8 @@ def main(models: list[str | None]) -> None:
         eos = [t for t in (tok.eos_token_id,) if t is not None] or list(source.config.eos_token_ids)
         tokens = tok.encode(json.dumps(INSTANCE, separators=(",", ":")), add_special_tokens=False) + eos[:1]
         print(f"{source.config.name}: vocabulary {vocab}, {len(tokens)} tokens in the instance")
+        ones = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+        print(f"  the engine's own apply_bitmask on a [1, {vocab}] row: {us(apply_time(apply_bitmask, ones, vocab))}")
         for name, bench in (("xgrammar", bench_xgrammar), ("llguidance", bench_llguidance)):
             try:
                 r = bench(tok, vocab, eos, tokens)

@@ -1,7 +1,7 @@
 """Grammar-constrained decoding (JSON object, JSON schema, regex, choice) through llguidance.
 
-`Grammars` is the engine's: the tokenizer as llguidance sees it (built on first use: 0.3 s for
-SmolLM2's vocabulary, 1.6 s for Qwen2.5's) and the compile of a request's `StructuredOutput`.
+`Grammars` is the engine's: the tokenizer as llguidance sees it (built on first use, in a
+fraction of a second to seconds: docs/serving.md) and the compile of a request's `StructuredOutput`.
 `RequestGrammar` is a request's matcher: before each sampled token it gives the bitmask of the
 tokens its grammar allows; only a generated token advances it (`accept`), a lookahead draft
 never does (`draft_mask` consumes the draft, reads the mask and rolls back).
