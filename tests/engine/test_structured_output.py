@@ -99,6 +99,24 @@ def test_bad_spec_and_missing_library_are_value_errors(llm, monkeypatch):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.slow
+def test_preempted_request_keeps_its_grammar(llm):
+    """A pool too small for the batch preempts and recomputes; the matcher, advanced only by
+    generated tokens, goes on where it was: the same outputs as with room for all."""
+    params = constrained("json_schema", SCHEMAS["nested"])
+    prompts = [chat(llm), chat(llm, "A JSON record, please."), chat(llm, "Describe someone in JSON.")]
+    want = llm.generate(prompts, params)
+    # 3-page prompts growing to 4 pages each: 10 pages admit all three, not their growth (the
+    # prefix cache off: the prompts' template would share pages).
+    small = LLM(max_model_len=512, kv_cache_gb=10 * llm.engine.runner.kv_bytes_per_page / 2**30,
+                enable_prefix_caching=False)
+    got = small.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert sum(g.metrics["num_preemptions"] for g in got) > 0
+    for out in got:
+        assert_valid(out, SCHEMAS["nested"])
+
+
 @pytest.mark.parametrize("vocab", [64, 100, 49152])
 def test_apply_bitmask_as_the_bits_say(vocab):
     gen = torch.Generator().manual_seed(vocab)
