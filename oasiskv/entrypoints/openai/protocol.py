@@ -64,10 +64,9 @@ class StreamOptions(_Strict):
 
 
 # Fields OpenAI or vLLM define that are refused with a 400 naming them (see serving.check_supported).
-NOT_SUPPORTED = ("functions", "function_call",
-                 "parallel_tool_calls", "suffix", "guided_grammar", "prompt_logprobs", "audio", "modalities",
-                 "prediction", "store", "metadata", "reasoning_effort", "web_search_options",
-                 "service_tier")
+NOT_SUPPORTED = ("functions", "function_call", "parallel_tool_calls", "suffix", "guided_grammar",
+                 "prompt_logprobs", "audio", "modalities", "prediction", "store", "metadata",
+                 "reasoning_effort", "web_search_options", "service_tier")
 
 
 class _SamplingFields(_Strict):
