@@ -6,6 +6,27 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5  # below it logits / temperature overflow to inf and sampling turns NaN
 MAX_SEED = 2**63  # torch generators take a signed 64-bit seed
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (oasiskv.engine.structured_output compiles it):
+    json_object: any JSON object (spec None); json_schema: spec is the schema (a dict), `strict`
+    refuses keywords the grammar cannot enforce instead of ignoring them; regex: spec is the
+    pattern; choice: spec is the list of allowed outputs."""
+    kind: str
+    spec: dict | str | list[str] | None = None
+    strict: bool = False
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        want = {"json_object": type(None), "json_schema": dict, "regex": str, "choice": list}[self.kind]
+        if not isinstance(self.spec, want):
+            raise ValueError(f"structured {self.kind} takes a {want.__name__} spec, got {type(self.spec).__name__}")
+        if self.kind == "choice" and (not self.spec or any(not isinstance(c, str) or not c for c in self.spec)):
+            raise ValueError("structured choice takes a non-empty list of non-empty strings")
 
 
 @dataclass
@@ -34,6 +55,8 @@ class SamplingParams:
     # sampling, once per generated token, in order (evaluations use one to force given tokens
     # and keep the distributions: oasiskv.eval.teacher_forcing).
     logits_processors: list = field(default_factory=list)
+    # Constrained decoding: each token is sampled among those the grammar allows next.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -72,6 +95,10 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be non-negative token ids, got {tok!r}")
                 if not _is_number(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError("structured must be a StructuredOutput")
+        if self.structured is not None and self.min_tokens:  # it could hold back the only token allowed
+            raise ValueError("min_tokens does not go with structured output: the grammar decides where it ends")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

@@ -15,6 +15,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_started(base: str, proc, log, timeout: float = 300) -> None:
+    """Returns once the server answers /health; else raises with the tail of its log (a file
+    opened "w+")."""
+    from oasiskv.entrypoints.openai.server_process import wait_for_health
+
+    try:
+        wait_for_health(base, timeout, proc)
+    except Exception:
+        log.seek(0)
+        raise RuntimeError("server did not start:\n" + log.read()[-3000:]) from None
+
+
 def call(base: str, path: str, body: dict | bytes | None = None, timeout: float = 60,
          headers: dict | None = None) -> tuple[int, dict | str]:
     """(status, parsed JSON or text) of a GET (no body) or POST."""

@@ -16,6 +16,7 @@ from oasiskv.engine.model_runner import ModelRunner
 from oasiskv.engine.sampler import on_device, read_host
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import PENDING, Sequence, SequenceStatus
+from oasiskv.engine.structured_output import Grammars
 from oasiskv.models.step_bytes import experts_touched_bound, kv_bytes_per_step, weight_bytes_per_step
 from oasiskv.models.tokenizer import load_tokenizer
 from oasiskv.sampling_params import SamplingParams
@@ -93,6 +94,7 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
         # A decode instance (remote_kv_gb) steps synchronously: the host reads each step's wanted
         # blocks before it prepares the next (`disagg.decode_side.RemoteSource`).
@@ -169,6 +171,8 @@ class LLMEngine:
             vocab = self.runner.model_config.vocab_size
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             seq.min_tokens_stop_ids = sorted(t for t in stops if t < vocab)
+        if params.structured is not None:  # a schema that does not compile is the caller's ValueError
+            seq.grammar = self.grammars.matcher(params.structured)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self.seqs[rid] = seq
@@ -236,11 +240,11 @@ class LLMEngine:
         """Plain dense decode (with sparse decode on too, while no request of the batch converts
         after the step: `ahead` = 1 for the step after the one in flight), or a batch whose
         requests all decode sparse through the pipeline (their next drafts are chosen on the
-        device). Mixed batches, conversions, the in-line sparse path, logits processors and
-        penalties (which look at the tokens so far) and logprobs (read back every step) take the
-        synchronous path."""
+        device). Mixed batches, conversions, the in-line sparse path, logits processors,
+        penalties and grammars (which look at the tokens so far) and logprobs (read back every
+        step) take the synchronous path."""
         if any(s.params.logits_processors or s.params.has_penalties or s.params.logprobs is not None
-               for s in seqs):
+               or s.grammar is not None for s in seqs):
             return False
         r = self.runner
         if r.sparse is None:
@@ -334,6 +338,8 @@ class LLMEngine:
             else:
                 seq.output_token_ids.append(tok)
             try:
+                if seq.grammar is not None:
+                    seq.grammar.accept(tok)
                 reason = self._finish_reason(seq, tok)
                 if reason:
                     seq.finish_reason, seq.finish_time = reason, now
@@ -359,6 +365,8 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.done:
+            return "stop"
         if len(seq.output_token_ids) >= p.min_tokens:  # below min_tokens nothing but a length ends it
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
                 return "stop"

@@ -1,12 +1,13 @@
 """Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeded; and,
-around that, each request's own rules (logits processors, penalties, bias, min_tokens) and
-logprobs, with a request whose own work fails failed alone."""
+around that, each request's own rules (logits processors, penalties, bias, min_tokens, its
+grammar's mask) and logprobs, with a request whose own work fails failed alone."""
 from __future__ import annotations
 
 import torch
 
 from oasiskv.engine.logprobs import record_token_logprobs
 from oasiskv.engine.penalties import apply_rules
+from oasiskv.engine.structured_output import apply_bitmask
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -42,6 +43,9 @@ def sample_requests(logits: torch.Tensor, seqs: list, noise: torch.Tensor | None
                 adjusted[i] = logits[i]
                 if not draft:
                     _fail(s, e)
+    if any(s.grammar is not None for s in seqs):
+        adjusted = adjusted.clone() if adjusted is logits else adjusted
+        _apply_grammars(adjusted, seqs, appended)
     gens = [s.generator for s in seqs]
     if noise is None and not all(p.greedy for p in params):
         noise = draw_noise(gens, logits.shape[1], logits.device)
@@ -59,6 +63,30 @@ def sample_requests(logits: torch.Tensor, seqs: list, noise: torch.Tensor | None
     if not draft:
         record_token_logprobs(seqs, logits, tokens)
     return tokens
+
+
+def _apply_grammars(adjusted: torch.Tensor, seqs: list, appended: torch.Tensor | None) -> None:
+    """Each grammared row keeps only the tokens its grammar allows next; a draft row those
+    allowed after its draft (without advancing the grammar), or all if the draft breaks it."""
+    drafts = appended.tolist() if appended is not None else None
+    rows, masks = [], []
+    for i, s in enumerate(seqs):
+        if s.grammar is None:
+            continue
+        try:
+            mask = s.grammar.draft_mask(drafts[i]) if drafts is not None else s.grammar.mask()
+        except Exception as e:  # noqa: BLE001 - a fault of this request's grammar fails only it
+            if drafts is None:
+                _fail(s, e)
+            continue
+        if mask is not None:
+            rows.append(i)
+            masks.append(mask)
+    if rows:
+        index = on_device(rows, adjusted.device)
+        constrained = adjusted[index]
+        apply_bitmask(constrained, torch.stack(masks))
+        adjusted[index] = constrained
 
 
 def _sample_row(logits, adjusted, seqs, noise, i: int) -> tuple[torch.Tensor, Exception | None]:

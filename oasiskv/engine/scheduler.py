@@ -220,4 +220,5 @@ class Scheduler:
         if self.sparse is not None:  # first: the host tier copies its summaries out of its pages
             self.sparse.release(seq)
         self.block_manager.free(seq)
+        seq.grammar = None  # its matcher goes with it (finished, failed or aborted)
         seq.status = SequenceStatus.FINISHED

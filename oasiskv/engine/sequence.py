@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from oasiskv.engine.penalties import TokenCounts
+    from oasiskv.engine.structured_output import RequestGrammar
     from oasiskv.sparse.host_cache import HostHit
     from oasiskv.sparse.host_pool import HostExtent
     from oasiskv.sparse.working_set import WorkingSet
@@ -62,6 +63,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # if asked
     min_tokens_stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens exist
     token_counts: TokenCounts | None = None  # for penalties
+    grammar: RequestGrammar | None = None  # structured output: advanced by each generated token
     error: str | None = None  # its own work (sampling, stop check, output) failed: why
     # Prefix cache (oasiskv.engine.block_manager): names of its full blocks so far, how many of its
     # pages the cache knows by name, and its prompt tokens found cached when it was first admitted

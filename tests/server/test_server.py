@@ -15,11 +15,11 @@ import time
 import urllib.request
 
 import pytest
-from server_client import call, free_port, metrics, stream_events, wait_idle
+from server_client import call, free_port, metrics, stream_events, wait_idle, wait_started
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.engine.llm_engine import RequestOutput
-from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
+from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -48,11 +48,7 @@ def server(tmp_path_factory):
 def llm(server):
     llm = LLM(**ENGINE)  # loads while the server process loads the same model
     proc, base, log = server
-    try:
-        wait_for_health(base, 300, proc)
-    except Exception:
-        log.seek(0)
-        raise RuntimeError("server did not start:\n" + log.read()[-3000:])
+    wait_started(base, proc, log)
     return llm
 
 
@@ -239,8 +235,20 @@ BAD = [
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ("tools", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
     ("tool-choice", "/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
-    ("response-format", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+    # Structured output: a malformed or invalid spec is a 400 naming the field.
+    ("response-format", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}},
      400, "response_format"),
+    ("bad-json-schema", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400, "response_format"),
+    ("bad-guided-regex", "/v1/completions", {"prompt": "hi", "guided_regex": "a(b"}, 400, "guided_regex"),
+    ("two-constraints", "/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
+    ("structured-disaggregated", "/v1/completions", {"prompt": "hi", "guided_choice": ["a"],
+                                                     "kv_transfer_params": {}}, 400, "response_format"),
+    # tools render through the chat template only with tool_choice "none" (calls are not parsed yet).
+    ("tool-without-function", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}],
+                                                       "tool_choice": "none"}, 400, "tools"),
+    ("tools-on-completions", "/v1/completions", {"prompt": "hi", "tools": []}, 400, "tools"),
     ("echo-stream", "/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
 ]
 @pytest.mark.parametrize("path,body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])

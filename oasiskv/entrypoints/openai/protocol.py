@@ -64,11 +64,9 @@ class StreamOptions(_Strict):
 
 
 # Fields OpenAI or vLLM define that are refused with a 400 naming them (see serving.check_supported).
-NOT_SUPPORTED = ("response_format", "tools", "tool_choice", "functions", "function_call",
-                 "parallel_tool_calls", "suffix", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar", "prompt_logprobs", "audio", "modalities",
-                 "prediction", "store", "metadata", "reasoning_effort", "web_search_options",
-                 "service_tier")
+NOT_SUPPORTED = ("functions", "function_call", "parallel_tool_calls", "suffix", "guided_grammar",
+                 "prompt_logprobs", "audio", "modalities", "prediction", "store", "metadata",
+                 "reasoning_effort", "web_search_options", "service_tier")
 
 
 class _SamplingFields(_Strict):
@@ -97,16 +95,15 @@ class _SamplingFields(_Strict):
     # Prefill/decode disaggregation (vLLM's field): what a prefill or decode server does with the
     # request (entrypoints/openai/disagg_serving.py).
     kv_transfer_params: dict[str, Any] | None = None
-    # Declared only to be refused by name (serving.check_supported).
+    # Structured output, read by structured.py (which names what is wrong in a malformed one).
     response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+    # Declared only to be refused by name (serving.check_supported).
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
     guided_grammar: Any = None
     prompt_logprobs: Any = None
     audio: Any = None
@@ -173,6 +170,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the prompt ends inside the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (e.g. enable_thinking)
+    tools: Any = None  # read by tools.py: rendered through the template with tool_choice "none"
+    tool_choice: Any = None
 
     @property
     def max_new_tokens(self) -> int | None:

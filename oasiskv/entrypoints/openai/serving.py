@@ -21,7 +21,8 @@ from oasiskv.entrypoints.openai.choice import Choice, ChoiceUpdate
 from oasiskv.entrypoints.openai.detokenizer import TextOptions
 from oasiskv.entrypoints.openai.protocol import (MIN_TEMPERATURE, NOT_SUPPORTED, APIError, ChatMessage,
                                                  _SamplingFields)
-from oasiskv.sampling_params import SamplingParams
+from oasiskv.entrypoints.openai.structured import FIELDS as STRUCTURED_FIELDS, structured_output
+from oasiskv.sampling_params import SamplingParams, StructuredOutput
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # apply_chat_template's own parameters: `chat_template_kwargs` passes template variables only.
@@ -98,7 +99,7 @@ class OpenAIServing:
     def check_supported(self, req: _SamplingFields) -> None:
         for name in NOT_SUPPORTED:
             value = getattr(req, name, None)
-            if value is None or (name == "response_format" and value == {"type": "text"}):
+            if value is None:
                 continue
             raise APIError(400, f"`{name}` is not supported by this server", param=name, code="unsupported_parameter")
         if 0 < req.temperature < MIN_TEMPERATURE:
@@ -140,8 +141,22 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
+    async def structured_output(self, req: _SamplingFields) -> StructuredOutput | None:
+        """The request's output constraint, compiled once here (off the engine's thread) so that
+        a schema the grammar library refuses is a 400 naming the fault."""
+        so = structured_output(req)
+        if so is None:
+            return None
+        param = next(f for f in STRUCTURED_FIELDS if getattr(req, f) is not None)
+        try:
+            await self._in_pool(self.engine.engine.grammars.check, so)
+        except ValueError as e:
+            raise APIError(400, f"`{param}`: {e}", param=param, code="invalid_value") from None
+        return so
+
     def sampling_params(self, req: _SamplingFields, max_tokens: int, choice: int, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured: StructuredOutput | None = None
+                        ) -> SamplingParams:
         """Choice `choice`'s SamplingParams. Stop strings stay here (choice.py), not in the engine."""
         if req.min_tokens > max_tokens:
             raise APIError(400, f"`min_tokens` ({req.min_tokens}) must not exceed `max_tokens` ({max_tokens})",
@@ -152,13 +167,14 @@ class OpenAIServing:
                       stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
         optional = dict(min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                        logit_bias=self.logit_bias(req), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                        logit_bias=self.logit_bias(req), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                        structured=structured)
         defaults = dict(min_tokens=0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
         for name, value in optional.items():
             if value is None or value == defaults.get(name):
                 continue
             if name not in ENGINE_FIELDS:  # an engine without this feature: refuse, never ignore
-                param = {"prompt_logprobs": "echo"}.get(name, name)
+                param = {"prompt_logprobs": "echo", "structured": "response_format"}.get(name, name)
                 raise APIError(400, f"`{param}` is not supported by this engine", param=param,
                                code="unsupported_parameter")
             fields[name] = value
@@ -200,7 +216,8 @@ class OpenAIServing:
         return await self._in_pool(lambda: tok.decode(ids, skip_special_tokens=True), utility=utility)
 
     async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                          continue_final_message: bool = False, template_kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> str:
         tok = self._need_tokenizer("messages")
         if not tok.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -216,7 +233,7 @@ class OpenAIServing:
         try:
             return await self._in_pool(lambda: tok.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **kwargs))
+                continue_final_message=continue_final_message, tools=tools, **kwargs))
         except Exception as e:  # the template rejects the conversation (e.g. a bad role order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -229,6 +246,9 @@ class OpenAIServing:
         """Submit (index, request id, prompt ids, params, text options) each; all or none.
         `transfer`: the request's kv_transfer_params (a prefill or decode server's request)."""
         if transfer is not None:
+            if any(spec[3].structured is not None for spec in specs):  # the decode side has no grammar
+                raise APIError(400, "structured output is not supported for disaggregated requests yet",
+                               param="response_format", code="unsupported_parameter")
             if self.disagg is None:
                 raise APIError(400, "`kv_transfer_params` needs a server started with --role prefill or decode",
                                param="kv_transfer_params")

@@ -11,6 +11,7 @@ from fastapi import Request
 from oasiskv.entrypoints.openai.choice import Choice
 from oasiskv.entrypoints.openai.protocol import APIError, ChatCompletionRequest, error_body
 from oasiskv.entrypoints.openai.serving import EventStream, OpenAIServing, sse, usage
+from oasiskv.entrypoints.openai.tools import chat_tools
 
 log = logging.getLogger("oasiskv.server")
 
@@ -32,14 +33,17 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     serving.check_supported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "`top_logprobs` needs `logprobs`: true", param="top_logprobs")
+    tools = chat_tools(req)
+    structured = await serving.structured_output(req)
     prompt = await serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template_kwargs)
+                                       req.chat_template_kwargs, tools)
     ids = await serving.encode(prompt, "messages")
     max_tokens = serving.max_new_tokens(len(ids), req.max_new_tokens, "messages")
     top = req.top_logprobs or 0
     logprobs = top if req.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    specs = [(j, f"{rid}-{j}", ids, serving.sampling_params(req, max_tokens, j, logprobs), req.text_options())
+    specs = [(j, f"{rid}-{j}", ids, serving.sampling_params(req, max_tokens, j, logprobs, structured=structured),
+              req.text_options())
              for j in range(req.n)]
     choices = await serving.start(specs, req.kv_transfer_params, req.stream)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": serving.model_name}

@@ -55,6 +55,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     if len(prompts) * best_of > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x {best_of} choices is more than {MAX_CHOICES} engine requests "
                             "in one request", param="n")
+    structured = await serving.structured_output(req)
     prompt_ids = [p if isinstance(p, list) else await serving.encode(p) for p in prompts]
     for ids in prompt_ids:
         if any(t >= serving.vocab_size for t in ids):
@@ -69,7 +70,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
         max_tokens = serving.max_new_tokens(len(ids), max(req.max_tokens, 1) if req.max_tokens is not None
                                             else None, "prompt")
         for j in range(best_of):
-            params = serving.sampling_params(req, max_tokens, j, logprobs, prompt_logprobs)
+            params = serving.sampling_params(req, max_tokens, j, logprobs, prompt_logprobs, structured)
             specs.append((i * best_of + j, f"{rid}-{i}-{j}", ids, params, req.text_options()))
     choices = await serving.start(specs, req.kv_transfer_params, req.stream)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": serving.model_name}
