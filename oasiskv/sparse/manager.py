@@ -121,10 +121,16 @@ class SparseManager:
     def reserve(self, seq, max_model_len: int) -> bool:
         """Host bytes for the request's full KV, taken at admission; False = it must wait. The
         host-tier entry its prefix hits is kept while room is made, unless only its eviction
-        makes room."""
-        if getattr(seq, "host_extent", None) is not None or not self.may_go_sparse(seq, max_model_len):
+        makes room. A request that stays below the threshold but passes the pressure floor takes
+        an extent if the pool has room now (then it converts rather than be preempted when the
+        GPU pool runs short), and never waits for one."""
+        if getattr(seq, "host_extent", None) is not None:
             return True
         args = (seq.request_id, self.L, self.max_blocks(seq, max_model_len), self.Hkv)
+        if not self.may_go_sparse(seq, max_model_len):
+            if self.max_tokens(seq, max_model_len) >= self.pressure_floor:
+                seq.host_extent = self.host.allocate(*args)
+            return True
         hit = self.host_cache.lookup(seq.block_names) if self.host_cache is not None else None
         if hit is not None:
             self.host_cache.pin(hit.entry)

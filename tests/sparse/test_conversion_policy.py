@@ -104,22 +104,25 @@ def test_should_convert_needs_the_threshold_or_an_early_request_past_the_floor()
 
 
 @pytest.mark.slow
-def test_engine_converts_instead_of_preempting():
+@pytest.mark.parametrize("max_tokens", [120, 60])
+def test_engine_converts_instead_of_preempting(max_tokens):
     """Two requests whose dense KV outgrows the pool together: a dense engine preempts; a sparse
-    one converts them as the pool runs short (before its threshold) and both finish."""
-    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    one converts them as the pool runs short (before its threshold) and both finish. With 60
+    tokens they never reach the threshold (150 + 60 < 260): they hold host extents anyway, taken
+    at admission because they pass the pressure floor, so they convert too."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [[(7 * i + 3 * j) % 1000 + 10 for j in range(150)] for i in range(2)]
     kw = dict(max_model_len=512, kv_cache_gb=0.0152, max_num_seqs=2)  # 22 pages of 16 tokens
     dense = LLM(**kw)
     assert dense.engine.block_manager.num_pages == 22
     outs = dense.generate(prompts, params)
-    assert all(len(o.token_ids) == 120 for o in outs)
+    assert all(len(o.token_ids) == max_tokens for o in outs)
     assert dense.engine.scheduler.num_preemptions > 0
     # Working set 5 blocks: the pressure floor is 120 tokens; the threshold (260) comes later.
     sparse = LLM(**kw, sparse=True, top_k_blocks=2, sink_blocks=1, window_blocks=2, sparse_threshold=260,
                  host_kv_gb=0.05)
     outs = sparse.generate(prompts, params)
-    assert all(len(o.token_ids) == 120 for o in outs)
+    assert all(len(o.token_ids) == max_tokens for o in outs)
     assert sparse.engine.scheduler.num_preemptions == 0
     assert sparse.engine.runner.sparse.num_conversions == 2
 
