@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import torch
 
-
-def _best_seconds(fn, repeats: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+from oasiskv.sparse.fetch_budget import measure_link  # an amount over fn's best time: bytes or FLOPs
 
 
 def copy_bytes_per_s(gib: float = 2.0) -> float:
     """One device-to-device copy of `gib` GiB: read + written bytes over its best time."""
     src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    rate = 2 * src.numel() / _best_seconds(lambda: dst.copy_(src))
+    rate = measure_link(lambda: dst.copy_(src), 2 * src.numel(), repeats=10)
     del src, dst
     return rate
 
@@ -33,7 +21,7 @@ def gemm_flops_per_s(n: int = 8192) -> float:
     """An n x n x n bf16 matmul's FLOPs (2 per multiply-add) over its best time."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    rate = 2 * n**3 / _best_seconds(lambda: a @ b)
+    rate = measure_link(lambda: a @ b, 2 * n**3, repeats=10)
     del a, b
     return rate
 
