@@ -1,6 +1,7 @@
 """The open tokenizer routes cannot stall generation: four concurrent /tokenize calls of ~3.9 MB
 each (under the body limit) run on a tokenizer and worker of their own, and a small completion
-beside them takes at most twice its time alone."""
+beside them is not queued behind them: it ends in under half their time, and within four times
+its time alone (the calls and the suite's other worker share the two cores with it)."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ def test_huge_tokenize_calls_do_not_delay_a_completion():
         results = []
         threads = [threading.Thread(target=lambda: results.append(call(base, "/tokenize", {"prompt": huge},
                                                                       timeout=600)[0])) for _ in range(4)]
+        t0 = time.perf_counter()
         for t in threads:
             t.start()
         time.sleep(1.0)  # the tokenizer routes are busy now
@@ -41,8 +43,10 @@ def test_huge_tokenize_calls_do_not_delay_a_completion():
         busy = any(t.is_alive() for t in threads)
         for t in threads:
             t.join()
+        tokenize_s = time.perf_counter() - t0
         assert results == [200] * 4
         assert busy, "the tokenize calls ended before the completion ran: the test measured nothing"
-        assert beside <= 2 * alone + 0.1, f"{beside:.2f} s beside the tokenize calls, {alone:.2f} s alone"
+        figures = f"{beside:.2f} s beside the tokenize calls ({tokenize_s:.2f} s), {alone:.2f} s alone"
+        assert beside < 0.5 * tokenize_s and beside <= 4 * alone + 0.5, figures
     finally:
         stop_server(proc)
