@@ -102,6 +102,7 @@ class LLMEngine:
             config.async_scheduling == "auto" and self.runner.device.type == "cuda"))
         self._in_flight: InFlight | None = None
         self._last_done = 0.0
+        self._weight_bytes: dict[int, int] = {}  # batch size -> weight bytes a decode step reads
         self.seqs: dict[str, Sequence] = {}
         # False: outputs carry no text and stop strings are not checked (a front end that
         # detokenizes off the engine's thread does both); stop tokens and lengths still apply.
@@ -307,9 +308,10 @@ class LLMEngine:
         self.step_stats[f"{kind}_time"] += seconds
         self.step_stats[f"{kind}_tokens"] += sum(batch.num_tokens)
         if not batch.is_prefill:  # bytes a decode step must read: weights (a MoE's at most) + cached K/V
-            r, mc = self.runner, self.runner.model_config
-            experts = experts_touched_bound(mc, len(batch.seqs))
-            self.step_stats["decode_bytes"] += weight_bytes_per_step(mc, r.dtype.itemsize, experts) + kv_bytes_per_step(
+            r, mc, B = self.runner, self.runner.model_config, len(batch.seqs)
+            if B not in self._weight_bytes:  # counted once per batch size, not every step
+                self._weight_bytes[B] = weight_bytes_per_step(mc, r.dtype.itemsize, experts_touched_bound(mc, B))
+            self.step_stats["decode_bytes"] += self._weight_bytes[B] + kv_bytes_per_step(
                 mc, r.dtype.itemsize, sum(s.num_tokens - 1 for s in batch.seqs))
 
     def postprocess(self, batch, tokens: list[int | None]) -> list[RequestOutput]:
