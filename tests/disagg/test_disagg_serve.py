@@ -155,9 +155,18 @@ def test_rpf_admission_and_decode_host_memory_below_full(runs):
     assert rpf["transport"] == 0 and 0 < full["transport"] <= full["host"]
     assert full["admission"] - full["transport"] <= rpf["admission"]
     assert runs["drained_rpf"] == (0, 0, 0) and runs["drained_full"] == (0, 0, 0)
+
+
+def proxy_surface_once(servers) -> None:
+    """The proxy's HTTP surface does not depend on the KV transport: tested on the socket one."""
+    if servers["transport"] != "socket":
+        pytest.skip("the proxy's surface is tested once, on the socket transport")
+
+
 def test_chat_through_the_proxy_whole_and_streamed(servers):
     """A short chat request is handed over too (converted whatever its length): its working set
     then holds every block, so decode equals the decode server's own dense answer."""
+    proxy_surface_once(servers)
     url = servers["url"]
     body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 6,
             "temperature": 0, "ignore_eos": True}
@@ -214,6 +223,7 @@ def test_every_short_prompt_length_equals_colocated(servers):
 def test_proxy_speaks_the_openai_surface(servers):
     """n > 1, prompt lists, echo with logprobs (with and without new tokens) and the tokenizer
     and version routes through the proxy answer as the decode server does colocated."""
+    proxy_surface_once(servers)
     url, ids = servers["url"], servers["ids"]
     base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
     cases = [{"prompt": ids[:40], "n": 2}, {"prompt": [ids[:30], ids[30:75]]},
@@ -254,6 +264,7 @@ def streamed_choices(events: list, chat: bool) -> tuple[dict[int, str], dict | N
 def test_proxy_streams_many_choices_and_prompts(servers):
     """Streamed n > 1 and prompt lists through the proxy: one stream whose choices (by index),
     final usage and [DONE] are the decode server's colocated stream's."""
+    proxy_surface_once(servers)
     url, ids = servers["url"], servers["ids"]
     usage = {"stream_options": {"include_usage": True}}
     cases = [("/v1/completions", {"prompt": ids[:40], "n": 2, **usage}),
@@ -271,6 +282,7 @@ def test_proxy_streams_many_choices_and_prompts(servers):
 def test_openai_client_through_the_keyed_proxy(servers):
     """The official client with the proxy's key: completions (whole, streamed, n = 2, echo with
     logprobs) and chat (streamed) answer as the decode server colocated; a wrong key is a 401."""
+    proxy_surface_once(servers)
     from openai import AuthenticationError, OpenAI
     url, ids = servers["url"], servers["ids"]
     model = "SmolLM2-135M-Instruct"

@@ -17,13 +17,11 @@ SPARSE = dict(sparse=True, top_k_blocks=32, window_blocks=4, sink_blocks=1, spar
 @pytest.mark.slow
 def test_sparse_retrieves_as_many_keys_as_dense():
     """The four cases sparse decode used to lose (docs/accuracy.md): seed 0 at depths 0.3 and
-    0.5 to the scoring (the summed Quest bound), seed 2 at both to the fetch cap."""
-    dense = LLM(max_model_len=4100)
-    cases = make_cases(dense.tokenizer, 4000, depths=[0.3, 0.5], seeds=[0, 2])
-    dense_right = score(dense, cases)
-    sparse_right = score(LLM(max_model_len=4100, **SPARSE), cases)
-    assert sum(dense_right) == len(cases)  # the model can do it
-    assert sparse_right == dense_right
+    0.5 to the scoring (the summed Quest bound), seed 2 at both to the fetch cap. The model
+    finds all four with dense decode; sparse must find them too."""
+    sparse = LLM(max_model_len=4100, **SPARSE)
+    cases = make_cases(sparse.tokenizer, 4000, depths=[0.3, 0.5], seeds=[0, 2])
+    assert score(sparse, cases) == [True] * len(cases)
 
 
 @pytest.mark.slow
