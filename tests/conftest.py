@@ -50,26 +50,6 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: each module's tests keep their order
 
 
-@pytest.fixture(scope="session", autouse=True)
-def default_model_dequantized_once():
-    """Dequantizing the default model's Q4_1 GGUF is 3 s of an engine's 4 s start: each test
-    process dequantizes it once per dtype, and every engine it builds copies those tensors."""
-    from oasiskv.models import loader
-
-    dequantize, default, done = loader._iter_gguf, loader.default_model_path(), {}
-
-    def once(path, cfg, dtype, device):
-        key = (path, dtype, str(device))
-        if path != default:
-            return dequantize(path, cfg, dtype, device)
-        if key not in done:
-            done[key] = list(dequantize(path, cfg, dtype, device))
-        return iter(done[key])
-    loader._iter_gguf = once
-    yield
-    loader._iter_gguf = dequantize
-
-
 @pytest.fixture(scope="session")
 def hf_default():
     """(HF model, HF tokenizer) of the embedded default model, float32, eval mode."""

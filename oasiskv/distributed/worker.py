@@ -20,7 +20,7 @@ from oasiskv.distributed.sharding import local_config, shard_plan
 from oasiskv.distributed.step_input import RequestMirror
 from oasiskv.engine.model_runner import ModelRunner, pick_device
 from oasiskv.engine.sampler import read_host
-from oasiskv.models.loader import ModelSource, iter_weights
+from oasiskv.models.loader import ModelSource, iter_weights, skip_weight_init
 
 POLL_S = 1.0  # how often an idle rank checks that rank 0 is still there
 
@@ -60,7 +60,7 @@ class ParallelModelRunner(ModelRunner):
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), skip_weight_init():
                 model = ParallelLlamaForCausalLM(self.whole_source.config, self.plan, self.group)
         finally:
             torch.set_default_dtype(default_dtype)

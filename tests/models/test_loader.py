@@ -15,8 +15,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from oasiskv.models import loader
 from oasiskv.models.config import PRESETS, ModelConfig, preset
-from oasiskv.models.loader import (ModelSource, default_model_path, hf_weight_shapes, iter_weights,
+from oasiskv.models.loader import (ModelSource, default_model_path, gguf_config, hf_weight_shapes, iter_weights,
                                    resolve_model, unpermute_qk)
 from oasiskv.models.tokenizer import gguf_tokenizer_cache_path, load_tokenizer
 
@@ -37,11 +38,12 @@ def hf_reference_state_dict(default_source, hf_default):
 # --- resolution ---------------------------------------------------------------------
 
 def test_default_gguf_matches_smollm2_preset(default_source):
+    """The default model starts from the preset, without parsing the file: it is the file's header."""
     assert default_source.kind == "gguf"
     assert default_source.path == default_model_path()
-    expected = preset("smollm2-135m")
+    header, expected = gguf_config(default_source.path), preset("smollm2-135m")
     for name in ARCH_FIELDS:
-        assert getattr(default_source.config, name) == getattr(expected, name), name
+        assert getattr(header, name) == getattr(expected, name) == getattr(default_source.config, name), name
 
 
 @pytest.mark.parametrize("model,load_format", [
@@ -63,15 +65,17 @@ def test_dir_without_config_and_bad_load_format(tmp_path):
 
 @pytest.mark.slow
 def test_gguf_weights_equal_transformers(default_source, hf_reference_state_dict):
-    ours = dict(iter_weights(default_source, torch.float32))
+    """Dequantized from the file and as read back from the weights cache every start uses."""
     ref = hf_reference_state_dict
-    # transformers lists the tied lm_head too; we leave it out
-    assert set(ours) == set(ref) - {"lm_head.weight"}
-    assert set(ours) == set(hf_weight_shapes(default_source.config))
-    for name, w in ours.items():
-        assert w.dtype == torch.float32 and w.shape == ref[name].shape, name
-        # (assert_close is ~70 ms per tensor here; a max over the difference is not)
-        assert (w - ref[name]).abs().max().item() <= 1e-6, name
+    dequantized = dict(loader._iter_gguf(default_source.path, default_source.config, torch.float32, "cpu"))
+    for ours in (dequantized, dict(iter_weights(default_source, torch.float32))):
+        # transformers lists the tied lm_head too; we leave it out
+        assert set(ours) == set(ref) - {"lm_head.weight"}
+        assert set(ours) == set(hf_weight_shapes(default_source.config))
+        for name, w in ours.items():
+            assert w.dtype == torch.float32 and w.shape == ref[name].shape, name
+            # (assert_close is ~70 ms per tensor here; a max over the difference is not)
+            assert (w - ref[name]).abs().max().item() <= 1e-6, name
 
 
 def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
