@@ -26,13 +26,18 @@ rm -rf .gpu_site
     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0
 rm -rf .gpu_site/bin
 # The default model's config and tokenizer, without weights (the GPU checks load random ones):
-# what scripts/gpu_check_structured.py needs to build grammars there.
+# what scripts/gpu_check_structured.py and gpu_bench_structured.py need to build grammars there.
 .venv/bin/python -c "
 import os, transformers
 from oasiskv.models.loader import default_model_path, resolve_model
 from oasiskv.models.tokenizer import load_tokenizer
 p = default_model_path()
 transformers.AutoConfig.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p)).save_pretrained('.gpu_site/smollm2_dummy')
-load_tokenizer(resolve_model(None)).save_pretrained('.gpu_site/smollm2_dummy')"
+load_tokenizer(resolve_model(None)).save_pretrained('.gpu_site/smollm2_dummy')
+# A Qwen tokenizer for Qwen3 presets' shapes (scripts/gpu_bench_structured.py), where downloaded.
+try:
+    load_tokenizer(resolve_model('qwen2.5-coder-0.5b')).save_pretrained('.gpu_site/qwen_tokenizer')
+except FileNotFoundError:
+    pass"
 find .gpu_site -name __pycache__ -prune -exec rm -rf {} +
 du -sh .gpu_site
