@@ -12,6 +12,7 @@ without it serves everything else and answers a structured request with a ValueE
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 from collections import OrderedDict
@@ -38,6 +39,11 @@ def _llguidance():
     except ImportError:
         raise ValueError(INSTALL_HINT) from None
     return llguidance
+
+
+def backend() -> str | None:
+    """The grammar library this install has ("llguidance"), or None."""
+    return "llguidance" if importlib.util.find_spec("llguidance") is not None else None
 
 
 def grammar_text(so: StructuredOutput) -> str:
