@@ -95,13 +95,14 @@ class Grammars:
 
     def matcher(self, so: StructuredOutput) -> RequestGrammar:
         """A fresh matcher for `so`; ValueError naming the fault if it does not compile."""
+        ll = _llguidance()
         key = _key(so)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
         if compiled is None:  # compiled outside the lock: a large schema takes a while
-            compiled = _llguidance().LLMatcher(self._tokenizer(), grammar_text(so))
+            compiled = ll.LLMatcher(self._tokenizer(), grammar_text(so))
             if compiled.is_error():
                 raise ValueError(f"invalid {NAMES[so.kind]}: {compiled.get_error()}")
             with self._lock:
