@@ -244,8 +244,8 @@ BAD = [
     ("bad-guided-regex", "/v1/completions", {"prompt": "hi", "guided_regex": "a(b"}, 400, "guided_regex"),
     ("two-constraints", "/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400,
      "guided_choice"),
-    ("structured-disaggregated", "/v1/completions", {"prompt": "hi", "guided_choice": ["a"],
-                                                     "kv_transfer_params": {}}, 400, "response_format"),
+    ("transfer-on-a-plain-server", "/v1/completions", {"prompt": "hi", "guided_choice": ["a"],
+                                                       "kv_transfer_params": {}}, 400, "kv_transfer_params"),
     # Tools: a malformed tool, an unsupported tool type or tool_choice form, an unknown function.
     ("tool-without-function", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}],
                                                        "tool_choice": "none"}, 400, "tools"),

@@ -279,9 +279,6 @@ class OpenAIServing:
         """Submit (index, request id, prompt ids, params, text options) each; all or none.
         `transfer`: the request's kv_transfer_params (a prefill or decode server's request)."""
         if transfer is not None:
-            if any(spec[3].structured is not None for spec in specs):  # the decode side has no grammar
-                raise APIError(400, "structured output is not supported for disaggregated requests yet",
-                               param="response_format", code="unsupported_parameter")
             if self.disagg is None:
                 raise APIError(400, "`kv_transfer_params` needs a server started with --role prefill or decode",
                                param="kv_transfer_params")
