@@ -23,6 +23,7 @@ import torch
 from oasiskv.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
     from transformers import PreTrainedTokenizerBase
 
 INSTALL_HINT = "structured output needs the `llguidance` package: pip install llguidance"
@@ -80,7 +81,7 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self._ll_tokenizer = None
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self.compiles = 0  # grammars compiled so far (cache misses)
 
     def _tokenizer(self):
