@@ -257,6 +257,9 @@ BAD = [
     ("tool-choice-allowed-tools", "/v1/chat/completions", {
         "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, 400, "tool_choice"),
+    ("tool-parameters-invalid", "/v1/chat/completions", {
+        "messages": MESSAGES, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, 400, "tools"),
     ("tool-call-arguments-not-json", "/v1/chat/completions", {"messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},

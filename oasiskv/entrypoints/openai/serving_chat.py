@@ -37,7 +37,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         raise APIError(400, "`top_logprobs` needs `logprobs`: true", param="top_logprobs")
     tools = chat_tools(req)
     if tools is not None and tools.forced:
-        structured = await serving.check_grammar(tools.grammar(serving.tool_parser, serving.tokenizer), "tool_choice")
+        # the grammar holds nothing from the request but the functions' names and `parameters`
+        structured = await serving.check_grammar(tools.grammar(serving.tool_parser, serving.tokenizer), "tools")
     else:
         structured = await serving.structured_output(req)
     prompt = await serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
