@@ -118,6 +118,9 @@ def test_forced_tool_calls_and_a_tool_loop(base, tool_choice):
     assert finish == "tool_calls" and not content and list(calls) == [0]
     assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (tc.function.name, args)
     assert calls[0]["id"].startswith("call_")
+    with client.chat.completions.stream(**kw) as events:  # the client's own accumulation of a stream
+        final = events.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.arguments == tc.function.arguments
 
     # The loop: the call and the tool's answer go back; the model answers in text.
     history = ASK + [choice.message.model_dump(exclude_none=True),
