@@ -6,7 +6,7 @@ batch with a few unconstrained prompts. Every constrained output is parsed and v
 the `jsonschema` package; each unconstrained output must be token for token what it is when the
 batch holds no grammar. With `--sparse`, prompts are padded with prose past the sparse threshold
 so that every request decodes sparse. Then the tool loop (tool_loop.py) against a server of the
-same model, unless `--no-tool-loop`. Prints a table, writes `--output-json`.
+same model (run first), unless `--no-tool-loop`. Prints a table, writes `--output-json`.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ SCHEMAS = {
     "pattern": _obj({"event": NAME, "date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
                      "attendees": {"type": "integer", "minimum": 1, "maximum": 100000}}),
     "any-of": _obj({"label": NAME, "kind": {"const": "record"},
-                    "value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 16}]}}),
+                    "value": {"anyOf": [{"type": "integer", "minimum": -1000, "maximum": 1000000},
+                                        {"type": "string", "maxLength": 16}]}}),
 }
 SUBJECTS = ["a librarian in Lisbon", "a bakery in Kyoto", "a football club in Buenos Aires",
             "a software startup in Nairobi", "a museum in Oslo"]
@@ -68,6 +69,11 @@ def run_json_schema(args) -> int:
     from oasiskv.eval.texts import text_tokens
     from oasiskv.sampling_params import SamplingParams, StructuredOutput
 
+    tool_loop = None
+    if not args.no_tool_loop:  # first, while no engine of this process holds the memory
+        from oasiskv.eval.tool_loop import run_tool_loop
+        tool_loop = run_tool_loop(args)
+        print(json.dumps(tool_loop, indent=1), flush=True)
     cfg = engine_config(args)
     pad = args.pad_tokens if args.pad_tokens is not None else (
         cfg.sparse.sparse_threshold + 128 if cfg.sparse.enabled else 0)
@@ -109,10 +115,8 @@ def run_json_schema(args) -> int:
                "stopped": sum(r["finish_reason"] == "stop" for r in rows),
                "sparse_steps": sum(r["sparse_steps"] for r in rows), "plain_unchanged": sum(unchanged),
                "plain": len(unchanged), "elapsed_s": round(elapsed, 1), "per_prompt": rows}
-    del llm
-    if not args.no_tool_loop:
-        from oasiskv.eval.tool_loop import run_tool_loop
-        results["tool_loop"] = run_tool_loop(args)
+    if tool_loop is not None:
+        results["tool_loop"] = tool_loop
     print_json_schema_table(results)
     if args.output_json:
         with open(args.output_json, "w") as f:

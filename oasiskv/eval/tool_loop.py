@@ -1,7 +1,8 @@
 """A tool loop as an agent runs it, with the official `openai` client against `oasiskv serve`
 of the evaluated model: the model calls a defined function (`tool_choice` "required" and
-named), the client answers with a `role: tool` message, and the model answers in text
-(`tool_choice` "auto"); streamed and not. Each call's id and JSON arguments are checked."""
+named; one call: `parallel_tool_calls` false), the client answers with a `role: tool` message,
+and the model answers in text (`tool_choice` "auto"); streamed and not. Each call's id and JSON
+arguments are checked."""
 from __future__ import annotations
 
 import json
@@ -78,7 +79,8 @@ def run_tool_loop(args) -> list[dict]:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         for choice_name, choice in CHOICES.items():
             for stream in (False, True):
-                kw = dict(model=client.models.list().data[0].id, temperature=0, max_tokens=120, tools=TOOLS)
+                kw = dict(model=client.models.list().data[0].id, temperature=0, max_tokens=120, tools=TOOLS,
+                          parallel_tool_calls=False)
                 _, calls = _ask(client, stream, messages=QUESTION, tool_choice=choice, **kw)
                 row = {"tool_choice": choice_name, "stream": stream, "called": [c["name"] for c in calls],
                        "arguments": [c["arguments"] for c in calls],

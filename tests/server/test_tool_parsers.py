@@ -34,6 +34,9 @@ def test_hermes_parses_calls_and_content():
     assert HERMES.parse("<tool_call>\n{not json\n</tool_call>")[1] == []  # left as text
     unterminated = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}'  # cut by max_tokens
     assert HERMES.parse(unterminated)[0] is None and HERMES.parse(unterminated)[1][0].name == "get_time"
+    cut = text + '\n<tool_call>\n{"name": "get_time", "argu'  # the complete calls before a cut one stand
+    assert [c.name for c in HERMES.parse(cut)[1]] == ["get_weather", "get_time"]
+    assert HERMES.parse('<tool_call>\n{"name": "get_time", "argu')[1] == []  # nothing complete: text
 
 
 def test_llama3_json_parses_calls_only_when_the_reply_is_calls():

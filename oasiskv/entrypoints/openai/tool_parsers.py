@@ -66,11 +66,14 @@ class HermesParser:
         if not sep:
             return text, []
         calls = []
-        for body in self._block.findall(text):
+        blocks = self._block.findall(text)
+        for i, body in enumerate(blocks):
             try:
                 call = _call(json.loads(body), "arguments")
             except ValueError:
                 call = None
+            if call is None and i == len(blocks) - 1 and i > 0 and not text.rstrip().endswith("</tool_call>"):
+                break  # a last call cut short by max_tokens: the complete ones before it stand
             if call is None:
                 return text, []
             calls.append(call)
