@@ -96,8 +96,9 @@ def _streamed_calls(stream) -> tuple[str, dict[int, dict], str]:
     return content, calls, finish
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize("tool_choice", [  # "required" differs in its grammar only (test_tool_parsers.py)
+    pytest.param("required", marks=pytest.mark.slow), {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"])
 def test_forced_tool_calls_and_a_tool_loop(base, tool_choice):
     from openai import OpenAI
 
@@ -135,14 +136,14 @@ def test_forced_tool_calls_and_a_tool_loop(base, tool_choice):
 
 def test_parallel_calls_and_the_model_card(base):
     status, r = call(base, "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "tool_choice": "required",
-                                                    "max_tokens": 200, "temperature": 0})
+                                                    "max_tokens": 100, "temperature": 0})
     assert status == 200, r
-    message = r["choices"][0]["message"]
-    if r["choices"][0]["finish_reason"] == "tool_calls":  # else max_tokens cut a call: then it is text
-        assert message["content"] is None and len(message["tool_calls"]) >= 1
-        assert len({c["id"] for c in message["tool_calls"]}) == len(message["tool_calls"])
-        for c in message["tool_calls"]:
-            assert isinstance(json.loads(c["function"]["arguments"]), dict)
+    message = r["choices"][0]["message"]  # calls until the model ends them or max_tokens cuts the last
+    assert r["choices"][0]["finish_reason"] in ("tool_calls", "length")
+    assert message["content"] is None and len(message["tool_calls"]) >= 1
+    assert len({c["id"] for c in message["tool_calls"]}) == len(message["tool_calls"])
+    for c in message["tool_calls"]:
+        assert isinstance(json.loads(c["function"]["arguments"]), dict)
     card = call(base, "/v1/models")[1]["data"][0]
     assert card["tool_call_parser"] == "hermes" and card["structured_output_backend"] == "llguidance"
     assert set(card["tool_call_parsers"]) == {"hermes", "llama3_json"}
