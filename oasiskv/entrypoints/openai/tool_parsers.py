@@ -61,7 +61,8 @@ class HermesParser:
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the text before the first call or None, the calls); unparsable blocks leave it all text."""
+        """(the text before the first call or None, the calls). A block that does not parse leaves it
+        all text, unless it is an unterminated last one after complete calls (cut by max_tokens)."""
         head, sep, _ = text.partition(self.start)
         if not sep:
             return text, []
