@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5  # below it logits / temperature overflow to inf and sampling turns NaN
 MAX_SEED = 2**63  # torch generators take a signed 64-bit seed
-STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "lark")
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,8 @@ class StructuredOutput:
     """What the output must match (oasiskv.engine.structured_output compiles it):
     json_object: any JSON object (spec None); json_schema: spec is the schema (a dict), `strict`
     refuses keywords the grammar cannot enforce instead of ignoring them; regex: spec is the
-    pattern; choice: spec is the list of allowed outputs."""
+    pattern; choice: spec is the list of allowed outputs; lark: spec is a grammar in llguidance's
+    Lark syntax (the server's tool-call grammars)."""
     kind: str
     spec: dict | str | list[str] | None = None
     strict: bool = False
@@ -22,7 +23,7 @@ class StructuredOutput:
     def __post_init__(self):
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
-        want = {"json_object": type(None), "json_schema": dict, "regex": str, "choice": list}[self.kind]
+        want = {"json_object": type(None), "json_schema": dict, "regex": str, "choice": list, "lark": str}[self.kind]
         if not isinstance(self.spec, want):
             raise ValueError(f"structured {self.kind} takes a {want.__name__} spec, got {type(self.spec).__name__}")
         if self.kind == "choice" and (not self.spec or any(not isinstance(c, str) or not c for c in self.spec)):

@@ -100,6 +100,8 @@ class DecodeEngine(LLMEngine):
         prefill_id = adm.request_id
         try:
             self._check(adm, self.tokenize(prompt), params)
+            if params.structured is not None:  # a spec that does not compile is the caller's ValueError
+                self.grammars.check(params.structured)
             if request_id in self.seqs:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._peer_of(adm.peer_metadata, url)  # a prefill that cannot be reached fails it now
@@ -163,6 +165,8 @@ class DecodeEngine(LLMEngine):
                 self.totals["admission_bytes"] += transfer.bytes_read
                 self.totals["admission_transport_bytes"] += transfer.bytes_read
                 self.heartbeats.release(*self.tracked.pop(rid))
+            if params.structured is not None:
+                self._start_grammar(seq, adm.first_token)
             now = time.perf_counter()
             seq.first_scheduled_time = seq.first_token_time = now
             if params.logprobs is not None:  # the first token's, as the prefill sampled it
@@ -176,6 +180,15 @@ class DecodeEngine(LLMEngine):
                 self.seqs.pop(rid, None)
                 self._ready.append(self.make_output(seq))
         self._waiting = still
+
+    def _start_grammar(self, seq, first_token: int) -> None:
+        """The request's matcher, advanced by the first token (the prefill sampled it under the
+        same grammar); a token it refuses fails the request at the next step."""
+        seq.grammar = self.grammars.matcher(seq.params.structured)
+        try:
+            seq.grammar.accept(first_token)
+        except ValueError as e:
+            seq.grammar, seq.error = None, f"the prefill's first token does not fit the grammar: {e}"
 
     def _advance_transfer(self, adm: Admission, rid: str, peer: str,
                           params: SamplingParams) -> FullTransfer | None:

@@ -94,6 +94,11 @@ class PrefillEngine(LLMEngine):
         self._handing[rid] = mode
         return rid
 
+    def _finish_reason(self, seq, tok: int) -> str | None:
+        """A request to hand over ends at its hand-over, never at its first token: not even when
+        that token completes its grammar (the decode side then ends it at admission)."""
+        return None if seq.hand_over else super()._finish_reason(seq, tok)
+
     def step(self) -> list[RequestOutput]:
         outputs = super().step()
         done = self._hand_over_converted()

@@ -12,8 +12,10 @@ without it serves everything else and answers a structured request with a ValueE
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,10 +23,13 @@ import torch
 from oasiskv.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
     from transformers import PreTrainedTokenizerBase
 
 INSTALL_HINT = "structured output needs the `llguidance` package: pip install llguidance"
-NAMES = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "choice": "choice"}
+NAMES = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "choice": "choice",
+         "lark": "grammar"}
+CACHED_GRAMMARS = 64  # compiled grammars kept (the server's check and the engine's matcher share one)
 
 
 def _llguidance():
@@ -35,6 +40,11 @@ def _llguidance():
     except ImportError:
         raise ValueError(INSTALL_HINT) from None
     return llguidance
+
+
+def backend() -> str | None:
+    """The grammar library this install has ("llguidance"), or None."""
+    return "llguidance" if importlib.util.find_spec("llguidance") is not None else None
 
 
 def grammar_text(so: StructuredOutput) -> str:
@@ -52,17 +62,27 @@ def grammar_text(so: StructuredOutput) -> str:
             raise ValueError(f"invalid JSON schema: {e}") from None
     if so.kind == "regex":
         return ll.LLMatcher.grammar_from_regex(so.spec)
+    if so.kind == "lark":
+        return ll.LLMatcher.grammar_from_lark(so.spec)
     # choice: the strings as Lark literals (JSON string syntax), one of them exactly
     return ll.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.spec))
 
 
+def _key(so: StructuredOutput) -> str:
+    return json.dumps([so.kind, so.spec, so.strict], sort_keys=True)
+
+
 class Grammars:
-    """The engine's grammar compiler, safe to call from the server's threads and the engine's."""
+    """The engine's grammar compiler, safe to call from the server's threads and the engine's.
+    A spec is compiled once: its pristine matcher is kept (least recently used out first) and each
+    request gets a copy, so the server's check, the engine's matcher and a repeated schema share it."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, stop_ids: list[int]):
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self._ll_tokenizer = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self.compiles = 0  # grammars compiled so far (cache misses)
 
     def _tokenizer(self):
         ll = _llguidance()
@@ -77,10 +97,21 @@ class Grammars:
     def matcher(self, so: StructuredOutput) -> RequestGrammar:
         """A fresh matcher for `so`; ValueError naming the fault if it does not compile."""
         ll = _llguidance()
-        m = ll.LLMatcher(self._tokenizer(), grammar_text(so))
-        if m.is_error():
-            raise ValueError(f"invalid {NAMES[so.kind]}: {m.get_error()}")
-        return RequestGrammar(m, self.vocab_size)
+        key = _key(so)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+        if compiled is None:  # compiled outside the lock: a large schema takes a while
+            compiled = ll.LLMatcher(self._tokenizer(), grammar_text(so))
+            if compiled.is_error():
+                raise ValueError(f"invalid {NAMES[so.kind]}: {compiled.get_error()}")
+            with self._lock:
+                self.compiles += 1
+                self._compiled[key] = compiled
+                while len(self._compiled) > CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+        return RequestGrammar(compiled.deep_copy(), self.vocab_size)
 
     def check(self, so: StructuredOutput) -> None:
         """Raises ValueError if `so` does not compile (the server asks before submitting)."""

@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from oasiskv.eval.agreement import add_agreement_args, run_agreement
     from oasiskv.eval.fidelity import add_fidelity_args, run_fidelity
     from oasiskv.eval.passkey import add_passkey_args, run_passkey
+    from oasiskv.eval.json_schema import add_json_schema_args, run_json_schema
     from oasiskv.eval.reasoning import add_reasoning_args, run_reasoning
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     _command(esub, "ablation", "passkey and fidelity against the fetch ratio and K", add_ablation_args, run_ablation)
     _command(esub, "reasoning", "long greedy worked answers crossing the sparse threshold: tokens identical "
              "to dense, task accuracy", add_reasoning_args, run_reasoning)
+    _command(esub, "json-schema", "grammar-constrained JSON: 50 schema prompts validated, an unconstrained "
+             "request unchanged beside them, a tool loop with the openai client", add_json_schema_args,
+             run_json_schema)
 
     args = parser.parse_args(argv)
     try:

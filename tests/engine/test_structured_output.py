@@ -86,6 +86,19 @@ def test_abort_mid_grammar_frees_the_matcher(llm):
     assert again.text in ("yes", "no") and again.finish_reason == "stop"
 
 
+def test_a_spec_is_compiled_once(llm):
+    """The server's check and the engine's matcher (and a repeated spec) share one compile; each
+    request still gets a matcher of its own."""
+    grammars = llm.engine.grammars
+    so = StructuredOutput("json_schema", {"type": "object", "properties": {"once": {"type": "integer"}}})
+    before = grammars.compiles
+    grammars.check(so)
+    outs = llm.generate([chat(llm)] * 2, [SamplingParams(temperature=0, max_tokens=30, structured=so)] * 2)
+    assert grammars.compiles == before + 1
+    assert all(isinstance(json.loads(o.text), dict) for o in outs if o.finish_reason == "stop")
+    assert grammars.matcher(so).matcher is not grammars.matcher(so).matcher
+
+
 def test_bad_spec_and_missing_library_are_value_errors(llm, monkeypatch):
     with pytest.raises(ValueError, match="invalid JSON schema: Invalid type"):
         llm.engine.add_request("hi", constrained("json_schema", {"type": "nope"}))

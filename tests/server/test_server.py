@@ -234,7 +234,8 @@ BAD = [
     ("unknown-field", "/v1/completions", {"prompt": "hi", "max_token": 5}, 400, "max_token"),
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ("tools", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("tool-choice", "/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
+    ("tool-choice-without-tools", "/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "auto"}, 400,
+     "tool_choice"),
     # Structured output: a malformed or invalid spec is a 400 naming the field.
     ("response-format", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}},
      400, "response_format"),
@@ -243,11 +244,26 @@ BAD = [
     ("bad-guided-regex", "/v1/completions", {"prompt": "hi", "guided_regex": "a(b"}, 400, "guided_regex"),
     ("two-constraints", "/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400,
      "guided_choice"),
-    ("structured-disaggregated", "/v1/completions", {"prompt": "hi", "guided_choice": ["a"],
-                                                     "kv_transfer_params": {}}, 400, "response_format"),
-    # tools render through the chat template only with tool_choice "none" (calls are not parsed yet).
+    ("transfer-on-a-plain-server", "/v1/completions", {"prompt": "hi", "guided_choice": ["a"],
+                                                       "kv_transfer_params": {}}, 400, "kv_transfer_params"),
+    # Tools: a malformed tool, an unsupported tool type or tool_choice form, an unknown function.
     ("tool-without-function", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}],
                                                        "tool_choice": "none"}, 400, "tools"),
+    ("tool-not-a-function", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "code_interpreter"}]},
+     400, "tools"),
+    ("tool-choice-unknown-function", "/v1/chat/completions", {
+        "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("tool-choice-allowed-tools", "/v1/chat/completions", {
+        "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, 400, "tool_choice"),
+    ("tool-parameters-invalid", "/v1/chat/completions", {
+        "messages": MESSAGES, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, 400, "tools"),
+    ("tool-call-arguments-not-json", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     400, "messages"),
     ("tools-on-completions", "/v1/completions", {"prompt": "hi", "tools": []}, 400, "tools"),
     ("echo-stream", "/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
 ]

@@ -1,6 +1,7 @@
 """Structured output through the server: response_format with the official openai client (chat,
-streamed too) and vLLM's guided_* on /v1/completions; each output validates. And `tools` with
-`tool_choice` "none", rendered through the chat template."""
+streamed too) and vLLM's guided_* on /v1/completions; each output validates. And tools: calls
+forced by tool_choice required and named, streamed and not, parsed into `tool_calls` the openai
+client reads, a tool loop (the call, the tool's answer, a text reply), and the model card."""
 from __future__ import annotations
 
 import json
@@ -62,9 +63,87 @@ def test_guided_fields_on_completions(base):
     jsonschema.validate(json.loads(r["choices"][0]["text"]), SCHEMA)
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
 def test_tools_with_tool_choice_none(base):
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-    status, r = call(base, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "tools": tools,
-                                                    "tool_choice": "none"})
+    status, r = call(base, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "tools": TOOLS,
+                                                    "tool_choice": "none", "store": False, "metadata": {"a": "b"}})
     assert status == 200 and r["choices"][0]["message"]["content"], r
+    assert "tool_calls" not in r["choices"][0]["message"]
+
+
+def _streamed_calls(stream) -> tuple[str, dict[int, dict], str]:
+    """(content, calls by index, finish_reason) accumulated from chunks as an openai client user does."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            acc = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            acc["id"] = tc.id or acc["id"]
+            acc["name"] += (tc.function.name or "") if tc.function else ""
+            acc["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("tool_choice", [  # "required" differs in its grammar only (test_tool_parsers.py)
+    pytest.param("required", marks=pytest.mark.slow), {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"])
+def test_forced_tool_calls_and_a_tool_loop(base, tool_choice):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="unused")
+    kw = dict(model="SmolLM2-135M-Instruct", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=80,
+              temperature=0, parallel_tool_calls=False)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    tc = choice.message.tool_calls[0]
+    assert tc.id.startswith("call_") and tc.type == "function"
+    args = json.loads(tc.function.arguments)
+    if isinstance(tool_choice, dict):
+        assert tc.function.name == "get_weather"
+    jsonschema.validate(args, WEATHER if tc.function.name == "get_weather" else TOOLS[1]["function"]["parameters"])
+
+    content, calls, finish = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls" and not content and list(calls) == [0]
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (tc.function.name, args)
+    assert calls[0]["id"].startswith("call_")
+    with client.chat.completions.stream(**kw) as events:  # the client's own accumulation of a stream
+        final = events.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.arguments == tc.function.arguments
+
+    # The loop: the call and the tool's answer go back; the model answers in text.
+    history = ASK + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": tc.id, "content": '{"temperature": 21}'}]
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, tools=TOOLS,
+                                           max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, tools=TOOLS,
+                                              max_tokens=20, temperature=0, stream=True)
+    assert _streamed_calls(streamed)[0] == reply.choices[0].message.content
+
+
+def test_parallel_calls_and_the_model_card(base):
+    status, r = call(base, "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                                                    "max_tokens": 100, "temperature": 0})
+    assert status == 200, r
+    message = r["choices"][0]["message"]  # calls until the model ends them or max_tokens cuts the last
+    assert r["choices"][0]["finish_reason"] in ("tool_calls", "length")
+    assert message["content"] is None and len(message["tool_calls"]) >= 1
+    assert len({c["id"] for c in message["tool_calls"]}) == len(message["tool_calls"])
+    for c in message["tool_calls"]:
+        assert isinstance(json.loads(c["function"]["arguments"]), dict)
+    card = call(base, "/v1/models")[1]["data"][0]
+    assert card["tool_call_parser"] == "hermes" and card["structured_output_backend"] == "llguidance"
+    assert set(card["tool_call_parsers"]) == {"hermes", "llama3_json"}

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 import oasiskv
 from oasiskv.engine.async_engine import AsyncEngine
+from oasiskv.engine.structured_output import backend as structured_output_backend
 from oasiskv.engine.stat_logger import StatLogger
 from oasiskv.entrypoints.metrics import ServerMetrics
 from oasiskv.entrypoints.openai.choice import ServerStopping
@@ -38,6 +39,7 @@ from oasiskv.entrypoints.openai.protocol import (APIError, ChatCompletionRequest
 from oasiskv.entrypoints.openai.serving import OpenAIServing, error_response
 from oasiskv.entrypoints.openai.serving_chat import create_chat_completion
 from oasiskv.entrypoints.openai.serving_completions import create_completion
+from oasiskv.entrypoints.openai.tool_parsers import PARSERS
 
 log = logging.getLogger("oasiskv.server")
 
@@ -62,8 +64,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, api_key: str | None = None,
               max_request_bytes: int = 4 << 20, body_timeout: float = 30.0,
               draining: Draining | None = None, role: str = "both", disagg_secret: str | None = None,
-              prefill_peers: list[str] | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, model_name, disagg_role(role, engine, disagg_secret, prefill_peers))
+              prefill_peers: list[str] | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, model_name, disagg_role(role, engine, disagg_secret, prefill_peers),
+                            tool_call_parser)
     draining = draining or Draining()
     engine.engine.detokenize = False  # text and stop strings are the front end's (choice.py)
 
@@ -122,7 +125,10 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, model_name: str, *, a
         e = engine.engine
         return {"id": model_name, "object": "model", "created": created, "owned_by": "oasiskv",
                 "root": e.config.model or model_name, "max_model_len": e.max_model_len,
-                "vocab_size": serving.vocab_size}  # the last two: for clients sending ids
+                "vocab_size": serving.vocab_size,  # max_model_len, vocab_size: for clients sending ids
+                # What this server parses and constrains (clients of the OpenAI API ignore it).
+                "tool_call_parser": serving.tool_parser.name, "tool_call_parsers": sorted(PARSERS),
+                "structured_output_backend": structured_output_backend()}
 
     @app.get("/v1/models")
     async def models():
@@ -215,7 +221,8 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("OASISKV_API_KEY") or None
     app = build_app(engine, metrics, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
                     body_timeout=args.body_timeout, role=role, disagg_secret=secret,
-                    prefill_peers=getattr(args, "prefill_peers", None))
+                    prefill_peers=getattr(args, "prefill_peers", None),
+                    tool_call_parser=getattr(args, "tool_call_parser", None))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -27,6 +27,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between two lines of engine statistics in the log (throughput, "
                         "running and waiting requests, KV usage, decode step time, sparse stall)")
     g.add_argument("--disable-log-stats", action="store_true", help="no engine statistics in the log")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls are written and parsed; default: from the chat template (Llama 3's "
+                        "headers: llama3_json, otherwise hermes)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

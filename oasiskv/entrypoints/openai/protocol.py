@@ -64,9 +64,8 @@ class StreamOptions(_Strict):
 
 
 # Fields OpenAI or vLLM define that are refused with a 400 naming them (see serving.check_supported).
-NOT_SUPPORTED = ("functions", "function_call", "parallel_tool_calls", "suffix", "guided_grammar",
-                 "prompt_logprobs", "audio", "modalities", "prediction", "store", "metadata",
-                 "reasoning_effort", "web_search_options", "service_tier")
+NOT_SUPPORTED = ("functions", "function_call", "suffix", "guided_grammar", "prompt_logprobs", "audio",
+                 "modalities", "prediction", "reasoning_effort", "web_search_options")
 
 
 class _SamplingFields(_Strict):
@@ -103,17 +102,13 @@ class _SamplingFields(_Strict):
     # Declared only to be refused by name (serving.check_supported).
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     guided_grammar: Any = None
     prompt_logprobs: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    store: Any = None
-    metadata: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    service_tier: Any = None
     suffix: Any = None
 
     @property
@@ -150,10 +145,24 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # a JSON object, as text
+
+
+class ToolCallIn(_Strict):
+    """A call in an assistant message of the history (one the server returned earlier)."""
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages: the call this answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -170,8 +179,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the prompt ends inside the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (e.g. enable_thinking)
-    tools: Any = None  # read by tools.py: rendered through the template with tool_choice "none"
+    tools: Any = None  # read by tools.py (which names what is wrong in a malformed one)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # None = true, as OpenAI
+    # Accepted and ignored, as vLLM does: nothing is stored, metadata is not kept, one service tier.
+    store: bool | None = None
+    metadata: dict[str, Text] | None = None
+    service_tier: Text | None = None
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -22,6 +22,7 @@ from oasiskv.entrypoints.openai.detokenizer import TextOptions
 from oasiskv.entrypoints.openai.protocol import (MIN_TEMPERATURE, NOT_SUPPORTED, APIError, ChatMessage,
                                                  _SamplingFields)
 from oasiskv.entrypoints.openai.structured import FIELDS as STRUCTURED_FIELDS, structured_output
+from oasiskv.entrypoints.openai.tool_parsers import PARSERS, pick_parser
 from oasiskv.sampling_params import SamplingParams, StructuredOutput
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -69,8 +70,34 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
+def _template_message(m: ChatMessage, i: int) -> dict:
+    """A message as chat templates read it: a call's arguments as an object (templates write them
+    with `tojson`), a tool message with the id of the call it answers."""
+    out = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise APIError(400, f"`messages[{i}]`: only assistant messages carry `tool_calls`", param="messages")
+        calls = []
+        for call in m.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise APIError(400, f"`messages[{i}].tool_calls`: the arguments of {call.function.name!r} are not "
+                                    "a JSON object", param="messages")
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        out["tool_calls"] = calls
+    return out
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, disagg=None):
+    def __init__(self, engine: AsyncEngine, model_name: str, disagg=None, tool_parser: str | None = None):
         self.engine = engine
         self.disagg = disagg  # PrefillRole | DecodeRole on a role server (disagg_serving.py)
         self.model_name = model_name
@@ -89,6 +116,9 @@ class OpenAIServing:
         self.max_token_chars = max((len(t) for t in self.tokenizer.convert_ids_to_tokens(
             list(range(len(self.tokenizer))))), default=1) if self.tokenizer is not None else 1
         self.live: set[Choice] = set()  # choices generating now (the shutdown deadline ends them)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = PARSERS[tool_parser] if tool_parser else pick_parser(template if isinstance(template, str)
+                                                                               else None)
 
     # ---- checks -------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -147,7 +177,10 @@ class OpenAIServing:
         so = structured_output(req)
         if so is None:
             return None
-        param = next(f for f in STRUCTURED_FIELDS if getattr(req, f) is not None)
+        return await self.check_grammar(so, next(f for f in STRUCTURED_FIELDS if getattr(req, f) is not None))
+
+    async def check_grammar(self, so: StructuredOutput, param: str) -> StructuredOutput:
+        """`so` compiled (and cached, so the engine does not compile it again); a 400 on `param` if it fails."""
         try:
             await self._in_pool(self.engine.engine.grammars.check, so)
         except ValueError as e:
@@ -229,7 +262,7 @@ class OpenAIServing:
         if reserved:
             raise APIError(400, f"`chat_template_kwargs` may not set {', '.join(reserved)}",
                            param="chat_template_kwargs")
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        conversation = [_template_message(m, i) for i, m in enumerate(messages)]
         try:
             return await self._in_pool(lambda: tok.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -246,9 +279,6 @@ class OpenAIServing:
         """Submit (index, request id, prompt ids, params, text options) each; all or none.
         `transfer`: the request's kv_transfer_params (a prefill or decode server's request)."""
         if transfer is not None:
-            if any(spec[3].structured is not None for spec in specs):  # the decode side has no grammar
-                raise APIError(400, "structured output is not supported for disaggregated requests yet",
-                               param="response_format", code="unsupported_parameter")
             if self.disagg is None:
                 raise APIError(400, "`kv_transfer_params` needs a server started with --role prefill or decode",
                                param="kv_transfer_params")
