@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from oasiskv.sparse.config import SparseConfig, auto_threshold
+from oasiskv.sparse.tuning import PipelineTuning
 
 # The flat keyword of each SparseConfig field: `sparse` turns it on, the others keep their names.
 SPARSE_FLAGS = {"sparse": "enabled"} | {f.name: f.name for f in fields(SparseConfig) if f.name != "enabled"}
@@ -35,6 +36,8 @@ class EngineConfig:
     # None: the fetch cap C (what the selection admits a step), 0: every predicted block.
     rpf_want_per_head: int | None = None
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
+    # How the pipeline runs its step (grids, stages, streams): not a flag; benchmarks and tests vary it.
+    pipeline_tuning: PipelineTuning = field(default_factory=PipelineTuning)
     enable_prefix_caching: bool = True  # share cached leading blocks between requests (vLLM v1's default)
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
     tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is split over

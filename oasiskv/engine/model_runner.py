@@ -148,7 +148,7 @@ class ModelRunner(SparseDecodeMixin):
                                 self.num_kv_heads, cfg.max_num_seqs, sc.top_k_blocks, kv.device,
                                 want_per_head=cfg.want_per_head())
         return LookaheadPipeline(sc, mc, kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
-                                 block_size=self.block_size, remote=remote)
+                                 block_size=self.block_size, tuning=cfg.pipeline_tuning, remote=remote)
 
     def _pipeline_reserve(self) -> int:
         """GPU bytes of the pipeline's per-row state (its tables, hand-off buffers, and on a

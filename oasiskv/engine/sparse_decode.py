@@ -18,7 +18,6 @@ from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample_requ
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse.decode_step import SparseDecodeStep
-from oasiskv.sparse.pipeline import WORKING_SET_SPLITS, scan_buckets
 from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
 from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
@@ -75,7 +74,7 @@ class SparseDecodeMixin:
             write_slots=torch.tensor(wslots, dtype=torch.int32, device=dev),
             write_offsets=torch.tensor(woffs, dtype=torch.int32, device=dev),
             slot_tables=slot_tables.to(dev), cache_lens=cache_lens.to(dev), query_len=Q,
-            num_splits=WORKING_SET_SPLITS if width == m.cfg.working_set_blocks else None,
+            num_splits=self.cfg.pipeline_tuning.attention_splits if width == m.cfg.working_set_blocks else None,
             hooks=SparseStepHooks(m, rows, Q, m.cfg.drafter, record_rows=record))
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
 
@@ -144,14 +143,14 @@ class SparseDecodeMixin:
         next step will have, and a block to spare (no wider than the model's length: a request
         near `max_model_len` has every block it can have)."""
         need = min(max(s.num_tokens for s in seqs) // self.block_size + 3, self.pipeline.max_blocks)
-        return next(b for b in scan_buckets(self.pipeline.max_blocks) if b >= need)
+        return next(b for b in self.pipeline.scan_widths if b >= need)
 
     def capture_pipeline_steps(self) -> None:
         """Every (batch bucket, scan width) sparse step at start-up, as the dense graphs are: the
         first conversion then does not stop the engine for compilation and capture."""
         t0 = time.perf_counter()
         for bucket in self._graph_buckets():
-            for scan in scan_buckets(self.pipeline.max_blocks):
+            for scan in self.pipeline.scan_widths:
                 self.pipeline_step(bucket, scan, use_graph=True)
         log.info("captured the sparse decode step for %d batch sizes x scan widths in %.1f s",
                  len(self.pipeline_steps), time.perf_counter() - t0)

@@ -27,14 +27,13 @@ DECODE_STAGES = 3
 
 def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
-                 scale: float, num_splits: int | None = None, num_stages: int | None = None,
-                 fused_merge: bool = False) -> torch.Tensor:
+                 scale: float, num_splits: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Triton on CUDA tensors (num_splits: the kernel's, None = `choose_num_splits`; num_stages:
-    its software pipeline, None = `DECODE_STAGES`; fused_merge: see `paged_decode_triton`),
-    vectorized torch otherwise. Shapes as in `paged_decode_ref`."""
+    its software pipeline, None = `DECODE_STAGES`), vectorized torch otherwise. Shapes as in
+    `paged_decode_ref`."""
     if q.is_cuda:
         return paged_decode_triton(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale, num_splits,
-                                   num_stages=num_stages or DECODE_STAGES, fused_merge=fused_merge)
+                                   num_stages=num_stages or DECODE_STAGES)
     return paged_decode_torch(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale)
 
 

@@ -61,7 +61,6 @@ class AttentionMetadata:
     query_len: int = 1
     num_splits: int | None = None  # the decode kernel's splits per (sequence, head); None: its choice
     num_stages: int | None = None  # the decode kernel's software-pipeline stages; None: its default
-    fused_merge: bool = False  # the decode kernel's last split program merges (no merge launch)
     hooks: AttentionHooks | None = None  # a sparse step's work around attention
 
     @property
@@ -85,8 +84,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         if tables.dim() == 4:
             tables, lens = tables[layer], lens[layer]
         out = paged_decode(q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D),
-                           kv_cache, tables, lens, scale, meta.num_splits, meta.num_stages,
-                           meta.fused_merge).reshape(T, Hq, D)
+                           kv_cache, tables, lens, scale, meta.num_splits, meta.num_stages).reshape(T, Hq, D)
     if meta.hooks is not None:
         meta.hooks.after_attention(layer, q, k, meta)
     return out
