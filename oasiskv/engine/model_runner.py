@@ -25,6 +25,7 @@ from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_ta
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model
 from oasiskv.sparse.decode_step import SparseDecodeStep
+from oasiskv.sparse.drafters import drafter_named
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.host_pool import HostKVPool, PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
@@ -131,11 +132,11 @@ class ModelRunner(SparseDecodeMixin):
     def _use_pipeline(self) -> bool:
         """Sparse decode runs through the batched pipeline (docs/design.md: GPU-resident state, stages
         on side streams, one CUDA graph per step) on CUDA; the in-line per-request path stays for
-        the oracle and on-demand drafters and as the reference on CPU."""
+        the drafters that do not run on the pipeline and as the reference on CPU."""
         mode = self.cfg.sparse_pipeline
         if not self.cfg.sparse.enabled or mode == "off":
             return False
-        return mode == "on" or (self.device.type == "cuda" and self.cfg.sparse.drafter not in ("oracle", "ondemand"))
+        return mode == "on" or (self.device.type == "cuda" and drafter_named(self.cfg.sparse.drafter).runs_on_pipeline)
 
     def _build_pipeline(self, sc, kv: torch.Tensor, host: HostKVPool, remote_items: torch.Tensor | None,
                         ) -> LookaheadPipeline:
@@ -276,7 +277,7 @@ class ModelRunner(SparseDecodeMixin):
                 if seq.num_cached_tokens + n == seq.num_tokens and self.sparse.should_convert(seq, seq.num_tokens):
                     record[c.start + n - 1] = self._query_buffer(seq)
             if record:
-                meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.cfg.drafter, record_rows=record)
+                meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.drafter, record_rows=record)
         return self._h2d(np.concatenate(ids)), self._h2d(positions), meta, logits_rows, prompt_rows
 
     def run_streamed_prefill(self, seq: Sequence, ids: torch.Tensor, positions: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Two paths (docs/design.md): the batched lookahead pipeline (`run_with_pipeline`: GPU-resident state
 of every sparse request, one captured step) and the in-line per-request path
-(`run_sparse_decode`: the reference on CPU, and the oracle and on-demand drafters). Both run
+(`run_sparse_decode`: the reference on CPU, and the drafters that do not run on the pipeline). Both run
 two query rows per request, the token and its lookahead draft, and pick the next draft the same
 way (`_sample_with_lookahead`). `ModelRunner` mixes this in; it owns the model, the KV cache,
 the `SparseManager` and the pipeline that these methods use.
@@ -18,7 +18,7 @@ from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample_requ
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse.decode_step import SparseDecodeStep
-from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
+from oasiskv.sparse.drafters import Drafter, next_draft
 from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class SparseDecodeMixin:
             write_offsets=torch.tensor(woffs, dtype=torch.int32, device=dev),
             slot_tables=slot_tables.to(dev), cache_lens=cache_lens.to(dev), query_len=Q,
             num_splits=self.cfg.pipeline_tuning.attention_splits if width == m.cfg.working_set_blocks else None,
-            hooks=SparseStepHooks(m, rows, Q, m.cfg.drafter, record_rows=record))
+            hooks=SparseStepHooks(m, rows, Q, m.drafter, record_rows=record))
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
 
     def run_sparse_decode(self, seqs: list[Sequence]) -> list[int]:
@@ -86,8 +86,8 @@ class SparseDecodeMixin:
         if meta.hooks.rows:  # the in-line path's bytes and hits are counted as each layer applies them
             m.count_step({})
         hooks, Q = meta.hooks, meta.query_len
-        if hooks.drafter == "oracle" and hooks.rows:
-            # Evaluation only: a first pass finds the true next token, the second uses it as draft.
+        if hooks.drafter.first_pass and hooks.rows:
+            # A first pass finds the next token, the second uses it as draft.
             hooks.prefetch = False
             hidden = self.model(ids, positions, self.kv_caches, meta)
             tokens = sample_requests(self.model.compute_logits(hidden[::Q]), seqs).tolist()
@@ -96,7 +96,7 @@ class SparseDecodeMixin:
                 r.ws.draft = tokens[r.batch_index]
             hooks.prefetch, hooks.record_rows = True, {}
             self.model(ids, positions, self.kv_caches, meta)
-            guesses = [None] * len(seqs)  # the oracle's draft is set by the first pass
+            guesses = [None] * len(seqs)  # the draft is set by the first pass
         else:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
@@ -181,7 +181,7 @@ class SparseDecodeMixin:
         hidden = step.run(row_ids.view(-1))
         logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
         tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2], ids[:, 1])
-        drafts = p.advance_drafts(self.sparse.cfg.drafter, rows, ids[:, 1], tokens, guesses)
+        drafts = p.advance_drafts(self.sparse.drafter.name, rows, ids[:, 1], tokens, guesses)
         pairs = torch.stack([tokens, drafts], 1)
         if p.remote is not None:  # its wanted blocks, covered by the read of the pairs below
             p.remote.stage_wanted(bucket)
@@ -194,7 +194,7 @@ class SparseDecodeMixin:
         and the stall to each request's stats (every step, overlapped ones too); count the step and
         whether its draft was right, and keep the next draft (the device chose it, from the
         row's history on the device; the host's `ws.history` is not kept up for pipeline rows)."""
-        drafter = self.sparse.cfg.drafter
+        drafter = self.sparse.drafter
         n = len(seqs)
         if self.pipeline.remote is not None and self.sparse.remote is not None:
             self.sparse.remote.after_pipeline_step(self.pipeline)
@@ -214,21 +214,21 @@ class SparseDecodeMixin:
         return [tok for tok, _ in pairs]
 
     @staticmethod
-    def _count_step(ws, drafter: str, tok: int) -> None:
+    def _count_step(ws, drafter: Drafter, tok: int) -> None:
         """A step of the request is done: count it, and whether its draft was `tok`."""
         ws.stats.steps += 1
-        if drafter in USES_DRAFT_TOKEN:
+        if drafter.sends_draft_token:
             ws.stats.drafts += 1
             ws.stats.drafts_accepted += int(ws.draft == tok)
 
     @classmethod
-    def _advance(cls, ws, drafter: str, tok: int, guess: int | None) -> None:
-        """After an in-line step: count it, then pick the next draft on the host (the oracle's
-        comes from its own first pass instead)."""
+    def _advance(cls, ws, drafter: Drafter, tok: int, guess: int | None) -> None:
+        """After an in-line step: count it, then pick the next draft on the host (a first
+        pass's drafter finds its own instead)."""
         cls._count_step(ws, drafter, tok)
         ws.history.append(tok)
-        if drafter != "oracle":
-            ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)
+        if not drafter.first_pass:
+            ws.draft = next_draft(drafter.name, ws.history, ws.draft, tok, guess)
 
     def _sample_with_lookahead(self, seqs: list[Sequence], token_logits: torch.Tensor,
                                draft_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], list[int]]:

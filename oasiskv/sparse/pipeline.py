@@ -47,7 +47,7 @@ from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
-from oasiskv.sparse.drafters import LOOKUP_WINDOW
+from oasiskv.sparse.drafters import LOOKUP_WINDOW, drafter_named
 from oasiskv.sparse.fetch_budget import FetchBudget, measure_link, share_budget
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.remote_rows import RemoteRows
@@ -123,7 +123,7 @@ class LookaheadPipeline:
         self.owners: list[WorkingSet] = []  # the WorkingSet in each used row; used rows are 0 .. len-1
         self.max_blocks = max_blocks
         self.scan_blocks = max_blocks  # blocks the prediction scans per request (`set_scan`)
-        self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
+        self.drafted = drafter_named(cfg.drafter).sends_draft_token  # else the current token's query predicts
         self.remote = remote
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
         self.stages_fork = stages_fork(max_blocks, tuning)  # the part of a layer after which its stages start
