@@ -50,7 +50,7 @@ def test_pipeline_matches_inline_path(drafter, temperature, deferred, narrow):
             assert llm.engine.runner.pipeline is not None and llm.engine.runner.pipeline.num_rows == 0
     assert checked and all(checked)
     if narrow:  # the steps ran at widths below the model's 48 blocks
-        assert {scan for _, scan in llm.engine.runner.pipeline_steps} == {32}
+        assert {scan for _, scan in llm.engine.runner.sparse_runner.pipeline_steps} == {32}
     assert torch.equal(pools["on"], pools["off"])
     for ref, got in zip(runs["off"], runs["on"]):
         assert got.token_ids == ref.token_ids
