@@ -5,7 +5,7 @@ A step's `AttentionMetadata` is built once by the model runner and read by every
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -30,9 +30,11 @@ def prefill_table(chunks: list[PrefillChunk], device: torch.device) -> PrefillTa
                               [c.prefix_len for c in chunks], [c.pages for c in chunks], device)
 
 
+@runtime_checkable
 class AttentionHooks(Protocol):
-    """What a sparse decode step does inside each layer (`sparse.step_hooks.SparseStepHooks` on
-    the in-line path, `sparse.pipeline.LookaheadPipeline` on the batched one)."""
+    """The interface between the model's layers and the sparse machinery: what a sparse decode
+    step does inside each layer (`sparse.step_hooks.SparseStepHooks` on the in-line path,
+    `sparse.pipeline.LookaheadPipeline` on the batched one)."""
 
     def summary_fold(self, layer: int) -> SummaryFold | None:
         """The qkv epilogue's fold of the step's keys into the block summaries, if it does one."""

@@ -43,6 +43,7 @@ from oasiskv.kernels.copy_items import device_view, fetch_admitted, write_throug
 from oasiskv.kernels.qkv_epilogue import SummaryFold
 from oasiskv.kernels.step_clock import STAMPS, stamp
 from oasiskv.kernels.step_tables import RowState, StepTables, WriteThrough, step_tables
+from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
@@ -433,12 +434,12 @@ class LookaheadPipeline:
             self.write_through()
             self.completes.fill_(False)
 
-    def before_attention(self, layer: int, q, k, meta) -> None:
+    def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         if self.background and layer in self.deferred_range():
             torch.cuda.current_stream(self.device).wait_event(self.deferred_done[layer])
         self.fork_point(layer, "epilogue")
 
-    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         """The layer's epilogue has folded its keys and copied the draft queries out
         (`summary_fold`): the stages can start (in order here when they run in-line)."""
         if not self.prefetch:

@@ -1,10 +1,13 @@
-"""What a decode step asks of the sparse manager inside each layer, around attention."""
+"""What a decode step of the in-line path asks of the sparse manager inside each layer, around
+attention: the `AttentionHooks` the batched `LookaheadPipeline` also implements."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
+from oasiskv.kernels.qkv_epilogue import SummaryFold
+from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse.drafters import Drafter
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.working_set import WorkingSet
@@ -26,10 +29,10 @@ class SparseStepHooks:
     prefetch: bool = True  # off for a first pass (`Drafter.first_pass`)
     record_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # token row -> [L, Hq, D]
 
-    def summary_fold(self, layer: int) -> None:
+    def summary_fold(self, layer: int) -> SummaryFold | None:
         return None  # the in-line path folds per request, after attention
 
-    def before_attention(self, layer: int, q, k, meta) -> None:
+    def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         if not (self.drafter.retrieves_on_demand and self.prefetch):
             return
         # Quest/ArkVale-style retrieval: this token's own query, fetched on the critical path.
@@ -41,7 +44,7 @@ class SparseStepHooks:
             meta.slot_tables[layer, r.batch_index, :, :n] = slots[0].to(meta.slot_tables.device)
             meta.cache_lens[layer, r.batch_index] = lens[0].to(meta.cache_lens.device)
 
-    def after_attention(self, layer: int, q, k, meta) -> None:
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         for row, buf in self.record_rows.items():
             buf[layer] = q[row]
         m, Q = self.manager, self.query_len
