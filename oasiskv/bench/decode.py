@@ -267,9 +267,10 @@ class DecodeBench:
 
             def step():
                 nonlocal ids, in_flight
-                logits = r.model.compute_logits(step_fn.run(ids))
-                if transfer_on_host is not None:
+                hidden = step_fn.run(ids)
+                if transfer_on_host is not None:  # dma: the admissions move before anything else runs
                     transfer_on_host()
+                logits = r.model.compute_logits(hidden)
                 tokens = logits[0::2].argmax(-1)
                 drafts = logits[1::2].argmax(-1)  # `self`: the draft row's own next-token guess
                 ids = torch.stack([tokens, drafts], 1).view(-1)
