@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from oasiskv.sparse.config import SparseConfig, auto_threshold
+from oasiskv.sparse.drafters import drafter_named
+from oasiskv.sparse.tuning import PipelineTuning
 
 # The flat keyword of each SparseConfig field: `sparse` turns it on, the others keep their names.
 SPARSE_FLAGS = {"sparse": "enabled"} | {f.name: f.name for f in fields(SparseConfig) if f.name != "enabled"}
@@ -35,6 +37,8 @@ class EngineConfig:
     # None: the fetch cap C (what the selection admits a step), 0: every predicted block.
     rpf_want_per_head: int | None = None
     sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
+    # How the pipeline runs its step (grids, stages, streams): not a flag; benchmarks and tests vary it.
+    pipeline_tuning: PipelineTuning = field(default_factory=PipelineTuning)
     enable_prefix_caching: bool = True  # share cached leading blocks between requests (vLLM v1's default)
     async_scheduling: str = "auto"  # decode step t+1 launched before step t's tokens are read: auto (CUDA) | on | off
     tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is split over
@@ -75,9 +79,9 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.sparse_pipeline not in ("auto", "on", "off"):
             raise ValueError(f"sparse_pipeline must be auto, on or off, got {self.sparse_pipeline!r}")
-        drafter = self.sparse.drafter
-        if self.sparse_pipeline == "on" and drafter in ("oracle", "ondemand"):
-            raise ValueError(f"the {drafter} drafter runs on the in-line path only: use --sparse-pipeline off")
+        drafter = drafter_named(self.sparse.drafter)
+        if self.sparse_pipeline == "on" and not drafter.runs_on_pipeline:
+            raise ValueError(f"the {drafter.name} drafter runs on the in-line path only: use --sparse-pipeline off")
         if self.tensor_parallel_size > 1:
             self._check_parallel()
         sc = self.sparse
@@ -86,8 +90,9 @@ class EngineConfig:
                              f"blocks ({sc.sink_blocks} + {sc.window_blocks}) x block size {self.block_size}")
 
     def _check_parallel(self) -> None:
-        if self.sparse.drafter == "oracle":
-            raise ValueError("the oracle drafter does not run with --tensor-parallel-size > 1")
+        drafter = drafter_named(self.sparse.drafter)
+        if not drafter.runs_with_tensor_parallel:
+            raise ValueError(f"the {drafter.name} drafter does not run with --tensor-parallel-size > 1")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
 

@@ -163,7 +163,7 @@ def check_step_tables(L=36, R=16, H=HKV, S=1, K=128, W=4):
 def check_graph_replay(dtype=torch.bfloat16, B=4, G=4, Q=2, ctx=2048, replays=1, **kw):
     """Capture once, then change lengths, slot tables and cache contents in place: a replay
     must see the new values (they are read on device, nothing baked in at capture). With
-    several replays, each on new values (the fused merge's counts must be back at 0)."""
+    several replays, each on new values."""
     max_blocks = ctx // BS
     args = decode_inputs(B, HKV, G, Q, max_blocks, dtype, random_lens(B, HKV, ctx))
     out = torch.empty_like(args[0])
@@ -261,12 +261,6 @@ def main():
     guarded(check_decode, 16, HKV, 4, 2, WORKING_SET_TOKENS, torch.bfloat16, big=True, num_splits=1)
     guarded(check_decode, 16, HKV, 4, 2, WORKING_SET_TOKENS, torch.bfloat16, big=True, num_splits=1, num_stages=5)
     guarded(check_graph_replay)
-    # The fused merge (the last split program merges): at the working-set shape with 2 splits,
-    # at 32K with the kernel's own split count, and over several graph replays.
-    guarded(check_decode, 16, HKV, 4, 2, WORKING_SET_TOKENS, torch.bfloat16, big=True, num_splits=2, fused_merge=True)
-    guarded(check_decode, 16, HKV, 4, 1, 32768, torch.bfloat16, big=True, fused_merge=True)
-    guarded(check_decode, 3, 2, 3, 2, 700, torch.float16, num_splits=5, fused_merge=True)
-    guarded(check_graph_replay, replays=3, num_splits=3, fused_merge=True)
     guarded(check_step_tables)
     n_fail = sum(not c["ok"] for c in results["checks"])
 

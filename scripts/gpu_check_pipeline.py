@@ -143,6 +143,7 @@ def check_graph_step(results: dict) -> None:
     from oasiskv.engine.model_runner import ModelRunner
     from oasiskv.sparse.decode_step import SparseDecodeStep
     from oasiskv.sparse.pipeline import LookaheadPipeline
+    from oasiskv.sparse.tuning import PipelineTuning
 
     cfg = EngineConfig(model="llama-3.1-8b", load_format="dummy", dtype="float32", max_model_len=4096,
                        max_num_seqs=4, kv_cache_gb=8, enforce_eager=True)
@@ -160,11 +161,10 @@ def check_graph_step(results: dict) -> None:
         if mode == "graph":
             r.kv.copy_(runs["kv0"])
             host.items.copy_(runs["host0"])
-        p = LookaheadPipeline(sc, mc, r.kv, host, max_rows=B, max_blocks=nb,
-                              block_size=bs, background=mode == "graph")
-        # The same GEMM kernels in both (the eager in-line step runs without the carve-out): a
+        # The same GEMM kernels in both (no carve-out: the eager in-line step runs without it): a
         # different cuBLAS kernel rounds differently, and near-equal block scores then swap.
-        p.gemm_sm_carveout = None
+        tuning = PipelineTuning(background=mode == "graph", gemm_sm_carveout=None)
+        p = LookaheadPipeline(sc, mc, r.kv, host, max_rows=B, max_blocks=nb, block_size=bs, tuning=tuning)
         first = p.arena.offset(B * sc.working_set_blocks)
         torch.manual_seed(1)
         for i in range(B):

@@ -9,6 +9,7 @@ prompts in chunks, whose host extents must hold their dense pages' K/V at the co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -16,10 +17,9 @@ import time
 
 import torch
 
-from oasiskv.engine import sparse_decode
 from oasiskv.entrypoints.llm import LLM
 from oasiskv.sampling_params import SamplingParams
-from oasiskv.sparse import pipeline
+from oasiskv.sparse.tuning import STAGE_FORKS, PipelineTuning
 
 
 def record_logits(llm):
@@ -72,23 +72,17 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--pipeline", default="auto", help="--sparse-pipeline of the full-budget run")
     ap.add_argument("--summary-dtype", default="auto", help="auto (fp8 on CUDA) | kv | fp8")
-    ap.add_argument("--fused-merge", action="store_true",
-                    help="the pipelined step's attention merges its splits in the last split program")
     ap.add_argument("--attention-splits", type=int, default=None,
                     help="splits of the working-set attention, pipelined and in-line (default: the pipeline's)")
-    ap.add_argument("--stages-fork", default=None, choices=pipeline.STAGE_FORKS,
+    ap.add_argument("--stages-fork", default=None, choices=STAGE_FORKS,
                     help="the part of each layer after which the pipelined step's stages start "
                          "(default: the pipeline's, from the context)")
-    ap.add_argument("--transfer-tma-stages", type=int, default=0,
-                    help="> 0: the pipelined step's transfer loads through TMA, this many deep")
     a = ap.parse_args()
-    pipeline.STAGES_FORK = a.stages_fork
-    pipeline.TRANSFER_TMA_STAGES = a.transfer_tma_stages
-    pipeline.ATTENTION_FUSED_MERGE = a.fused_merge  # read by every pipeline the engines below build
-    if a.attention_splits is not None:  # both paths, so the in-line tokens are the fused merge's reference
-        pipeline.WORKING_SET_SPLITS = sparse_decode.WORKING_SET_SPLITS = a.attention_splits
+    tuning = PipelineTuning(stages_fork=a.stages_fork)  # every engine below: both paths read the splits
+    if a.attention_splits is not None:
+        tuning = dataclasses.replace(tuning, attention_splits=a.attention_splits)
     common = dict(load_format="dummy", dtype=a.dtype, max_model_len=a.prompt_len + a.steps + 16, max_num_seqs=4,
-                  kv_cache_gb=4.0, summary_dtype=a.summary_dtype)
+                  kv_cache_gb=4.0, summary_dtype=a.summary_dtype, pipeline_tuning=tuning)
     g = torch.Generator().manual_seed(0)
     vocab_probe = LLM(a.model, **common)
     prompts = [torch.randint(0, vocab_probe.engine.runner.model_config.vocab_size, (a.prompt_len,),
@@ -132,9 +126,8 @@ def main():
     prefill_copies = check_prefill_copies(a.model, prompts, params, common)
     copies_ok = bool(prefill_copies) and all(ok and before > 0 for before, _, ok in prefill_copies)
     res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
-           "summary_dtype": a.summary_dtype, "fused_merge": a.fused_merge,
+           "summary_dtype": a.summary_dtype,
            "attention_splits": a.attention_splits, "stages_fork": a.stages_fork,
-           "transfer_tma_stages": a.transfer_tma_stages,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),
            "rel_logit_err_per_step": rel, "first_differing_token": first_diff,
            "tokens_equal": same, "sparse_full_budget_seconds": sparse_s,

@@ -28,10 +28,11 @@ from oasiskv.kernels.block_select import SELECT_DIGIT_BITS as DEFAULT_SELECT_BIT
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sparse.fetch_budget import STALL_TARGET as DEFAULT_STALL_TARGET
 from oasiskv.sparse.pipeline import BOUNDS_PROGRAMS_PER_HEAD as DEFAULT_BOUNDS_PROGRAMS
+from oasiskv.sparse.tuning import STAGE_FORKS, PipelineTuning
 
 
 CASES_HELP = ("dense, or a --fetch-budget value (auto, off, MB); suffixes: /sN N attention splits, "
-              "/fN /tN foreground / transfer stream priority -N, /FN the stages fork after STAGE_FORKS[N] "
+              "/tN transfer stream priority -N, /FN the stages fork after STAGE_FORKS[N] "
               "(attention, o_proj, mlp, epilogue), /cN the GEMMs' SM carve-out (c-1: torch's BLAS as it is), "
               "/hN candidates a budget-share program (h0: the two sorts), /e1 no CUDA graphs (the steps launched eagerly), "
               "/bN bounds-scan programs per (request, kv head) (default 3; fewer hold fewer SMs at once), "
@@ -178,13 +179,30 @@ def measure_arrival(engine, prompt: list[int], params, sparse: bool, spent: dict
     return out
 
 
+def pipeline_tuning(knobs: dict[str, int]) -> PipelineTuning:
+    """The pipeline's tuning with a case's suffixes: s attention splits, t transfer priority -N,
+    F the stages' fork (STAGE_FORKS[N]), p the stages that run (the foreground's cost without the
+    rest), c the GEMMs' SM carve-out (negative: torch's BLAS settings as they are)."""
+    changes = {}
+    if "s" in knobs:
+        changes["attention_splits"] = knobs["s"]
+    if "t" in knobs:
+        changes["transfer_priority"] = -knobs["t"]
+    if "F" in knobs:
+        changes["stages_fork"] = STAGE_FORKS[knobs["F"]]
+    if "p" in knobs:
+        changes["stages"] = knobs["p"]
+    if "c" in knobs:
+        changes["gemm_sm_carveout"] = knobs["c"] if knobs["c"] >= 0 else None
+    return PipelineTuning(**changes)
+
+
 def run_case(a, case: str, out_dir: str | None) -> dict:
     """case: dense, or a --fetch-budget value (auto, off, MB), optionally "/sN": N attention splits."""
     budget, *knobs = case.split("/")
-    knobs = {k[0]: int(k[1:]) for k in knobs}  # s: attention splits, f / t: foreground / transfer priority -N
+    knobs = {k[0]: int(k[1:]) for k in knobs}
     sparse = budget != "dense"
-    from oasiskv.sparse import pipeline as pipeline_module  # F: the stages' fork point (STAGE_FORKS[N])
-    pipeline_module.STAGES_FORK = pipeline_module.STAGE_FORKS[knobs["F"]] if "F" in knobs else None
+    from oasiskv.sparse import pipeline as pipeline_module
     pipeline_module.BOUNDS_PROGRAMS_PER_HEAD = knobs.get("b", DEFAULT_BOUNDS_PROGRAMS)  # b: per (request, kv head)
     from oasiskv.sparse import device_drafts  # d0: the drafts' rule as torch ops
     device_drafts.LOOKUP_KERNEL = bool(knobs.get("d", 1))
@@ -196,6 +214,7 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     block_bounds.BOUNDS_SKIP_DEAD_TILES = bool(knobs.get("x", DEFAULT_SKIP_DEAD))
     fetch_budget.STALL_TARGET = knobs.get("m", DEFAULT_STALL_TARGET * 100) / 100  # m: the margin's stall target
     cfg = EngineConfig.from_flat(model=a.model, load_format="dummy", kv_cache_gb=a.kv_cache_gb, sparse=sparse,
+                                 pipeline_tuning=pipeline_tuning(knobs),
                                  enforce_eager=bool(knobs.get("e", 0)),
                                  summary_dtype={None: "auto", 0: "kv"}.get(knobs.get("u"), "fp8"),
                                  sparse_threshold=a.threshold, host_kv_gb=a.host_kv_gb,
@@ -208,18 +227,6 @@ def run_case(a, case: str, out_dir: str | None) -> dict:
     row = {"case": case, "rows": a.rows, "context": a.context, "max_num_seqs": cfg.max_num_seqs,
            "max_model_len": cfg.max_model_len, "start_s": round(time.perf_counter() - t0, 1)}
     p = engine.runner.pipeline
-    if p is not None and knobs:
-        if "s" in knobs:
-            p.attention_splits = knobs["s"]
-        if "f" in knobs:
-            p.foreground_priority = -knobs["f"]
-        if "t" in knobs:
-            p.streams[2] = torch.cuda.Stream(p.device, priority=-knobs["t"])
-        if "p" in knobs:  # the stages that run: the foreground's cost without the rest
-            p.stages, p.prefetch = knobs["p"], knobs["p"] > 0
-        if "c" in knobs:  # the GEMMs' SM carve-out; negative: torch's BLAS settings as they are
-            p.gemm_sm_carveout = knobs["c"] if knobs["c"] >= 0 else None
-        engine.runner.pipeline_steps.clear()  # the steps captured at start-up: built again with them
     if p is not None:
         row["link_GBps"] = round(p.budget.link_bytes_per_s / 1e9, 1)
     spent = defaultdict(float)

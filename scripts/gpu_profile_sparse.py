@@ -6,13 +6,14 @@ transfer stream's busy and idle time (`kernel_idle`), and the chrome trace of a 
 what overlaps what).
 
 PYTHONPATH=. python3 scripts/gpu_profile_sparse.py [--context 32768] [--batch 16] [--modes dense,fg,sparse]
-    [--attention-splits N] [--attention-stages N] [--attention-merges fused]   # the sparse runs' decode kernel
-    [--stage-forks o_proj] [--transfer-tma-stages N]                           # and their pipeline
-    [--transfer-programs 4:16:32] [--transfer-priorities high]                 # (the first of each list)
+    [--attention-splits N] [--attention-stages N]                 # the sparse runs' decode kernel
+    [--stage-forks o_proj] [--transfer-programs 4:16:32]          # and their pipeline
+    [--transfer-priorities high]                                  # (the first of each list)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -103,14 +104,9 @@ def main():
         if mode == "dense":
             res = bench.run_dense(a.batch, a.context)
         else:
-            first = lambda text: int(text.split(",")[0]) if text else None  # noqa: E731
-            res = bench.run_sparse(a.batch, a.context, prefetch=mode != "fg",
-                                   attention_splits=first(a.attention_splits),
-                                   attention_stages=first(a.attention_stages),
-                                   fused_merge=a.attention_merges.split(",")[0] == "fused",
-                                   stages_fork=a.stage_forks.split(",")[0] if a.stage_forks else None,
-                                   tma_stages=first(a.transfer_tma_stages),
-                                   transfer_priority=a.transfer_priorities.split(",")[0])
+            # the first value of each tuning flag (`bench.tuning`); fg: the stages off
+            tuning = dataclasses.replace(bench.tuning, stages=0) if mode == "fg" else bench.tuning
+            res = bench.run_sparse(a.batch, a.context, tuning)
         results[bench.label] = res
         print(json.dumps({k: res.get(k) for k in ("mode", "step_ms", "output_tok_s", "roofline_fraction",
                                                  "stall_fraction", "foreground_ms")}), flush=True)

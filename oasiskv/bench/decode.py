@@ -29,6 +29,7 @@ from oasiskv.entrypoints.args import engine_config
 from oasiskv.bench.ceilings import measure as measure_ceilings
 from oasiskv.layers.moe import experts_touched
 from oasiskv.models.step_bytes import weight_bytes_per_step
+from oasiskv.sparse.tuning import STAGE_FORKS, PipelineTuning
 
 FETCH_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 1.0)
 TRANSFER_PRIORITIES = {"normal": 0, "high": -1}  # --transfer-priorities: torch stream priorities (lower is higher)
@@ -47,35 +48,25 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="uva",
                    help="uva (bounded-grid kernel reading pinned host memory, inside the step) or dma "
                         "(CPU gather into pinned staging + one copy, between steps); a comma list runs each")
-    p.add_argument("--bounds-tiling", default="auto",
-                   help="the prediction's bounds kernel as TILE:TILES:STAGES: blocks per tile, tiles per "
-                        "program, load stages (auto: the pipeline's, from the context; TILES auto: ~3 programs a "
-                        "request and kv head, e.g. 64:auto:1); a comma list runs sparse once per value")
     p.add_argument("--deferred-layers", default=None,
                    help="comma list: last layers whose transfer opens the next step (default: the pipeline's)")
     p.add_argument("--attention-splits", default=None,
                    help="comma list: splits per (request, kv head) of the sparse foreground's decode kernel; 0 = "
                         "the kernel's own choice, 1 = one program each and no merge launch (default: the "
-                        "pipeline's WORKING_SET_SPLITS)")
+                        "pipeline's, 1)")
     p.add_argument("--attention-stages", default=None,
                    help="comma list: software-pipeline stages of the sparse foreground's decode kernel (5 keeps "
                         "two K/V tiles in flight; default: the kernel's)")
-    p.add_argument("--attention-merges", default="launch",
-                   help="comma list of launch / fused: with splits, the sparse foreground's decode kernel merges "
-                        "them in a second launch, or in the last split program of each (request, kv head)")
     p.add_argument("--stage-forks", default=None,
-                   help="comma list of attention / o_proj / mlp: the part of each layer after which the "
+                   help="comma list of " + " / ".join(STAGE_FORKS) + ": the part of each layer after which the "
                         "pipeline's stages start on their streams (default: the pipeline's, from the context)")
     p.add_argument("--transfer-priorities", default="auto",
                    help="comma list of normal / high: the sparse pipeline's transfer stream at the default "
                         "priority, or at a higher one so the fetch's programs take SMs first (auto: the "
-                        "pipeline's TRANSFER_PRIORITY, high)")
-    p.add_argument("--transfer-tma-stages", default=None,
-                   help="comma list: 0 = the transfer kernel loads through the SMs' load units, N > 0 = "
-                        "through TMA, N deep (default: the pipeline's TRANSFER_TMA_STAGES)")
+                        "pipeline's, high)")
     p.add_argument("--gemm-sm-carveouts", default=None,
                    help="comma list: sparse runs whose GEMMs (cuBLASLt) leave N SMs to the pipeline "
-                        "(0: none; default: the pipeline's GEMM_SM_CARVEOUT)")
+                        "(0: none; default: the pipeline's, 8)")
     p.add_argument("--blas-library", choices=["default", "cublas", "cublaslt"], default="default",
                    help="torch's preferred BLAS library outside the sparse step (dense runs, logits); the "
                         "sparse step's GEMMs run through cuBLASLt")
@@ -145,6 +136,7 @@ class DecodeBench:
         if args.summary_dtypes:  # runs not swept over it (ablation, capacity, no-prefetch) take the first
             self.sparse_cfg = dataclasses.replace(self.sparse_cfg, summary_dtype=args.summary_dtypes.split(",")[0])
         self.overlap = cfg.async_scheduling == "on" or (cfg.async_scheduling == "auto" and r.device.type == "cuda")
+        self.tuning = sweep_tunings(args)[0]  # the first value of each tuning flag
 
     # ---- sizes ----------------------------------------------------------------------
     def blocks(self, context: int) -> int:
@@ -209,22 +201,20 @@ class DecodeBench:
 
     # ---- sparse ---------------------------------------------------------------------
     @torch.inference_mode()
-    def run_sparse(self, batch: int, context: int, fetch_ratio: float | None = None,
-                   transfer_programs: str | None = None, prefetch: bool = True, stages: int = 3,
-                   transfer_backend: str | None = None, bounds_tiling: str | None = None,
-                   summary_dtype: str | None = None, deferred_layers: int | None = None,
-                   attention_splits: int | None = None, gemm_sm_carveout: int | None = None,
-                   attention_stages: int | None = None, fused_merge: bool = False,
-                   stages_fork: str | None = None, tma_stages: int | None = None,
-                   transfer_priority: str = "auto", fetch_budget: str = "off") -> dict:
-        from oasiskv.kernels.copy_items import ITEMS_PER_LOAD, NUM_WARPS
+    def run_sparse(self, batch: int, context: int, tuning: PipelineTuning | None = None,
+                   fetch_ratio: float | None = None, transfer_backend: str | None = None,
+                   summary_dtype: str | None = None, fetch_budget: str = "off") -> dict:
+        """tuning: the pipeline's (default: the first value of each tuning flag); transfer_backend:
+        uva (the pipeline's fetch) or dma (`DmaTransfer` between steps; default: the flag's first)."""
+        from oasiskv.bench.dma_transfer import DmaTransfer
         from oasiskv.sparse.decode_step import SparseDecodeStep
         from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
-        from oasiskv.sparse.pipeline import bounds_tiling as pipeline_bounds_tiling
         from oasiskv.sparse.summaries import summary_dtype as summary_dtype_of
         from oasiskv.sparse.summary_arena import blocks_per_page, pages_for
 
         r, mc, bs = self.runner, self.mc, self.bs
+        tuning = tuning or self.tuning
+        transfer_backend = transfer_backend or self.args.transfer_backend.split(",")[0]
         # The fixed cap alone unless asked (`fetch_budget`): "auto" reads each step's clock back
         # with its tokens, as the engine does, so the budget follows the measured foreground.
         cfg = dataclasses.replace(self.sparse_cfg, fetch_ratio=fetch_ratio or self.sparse_cfg.fetch_ratio,
@@ -238,28 +228,16 @@ class DecodeBench:
             return self._no_fit("sparse", batch, context, f"needs {batch * P} GPU pages for working sets and "
                                 f"{summary_pages} for summaries, the pool has {r.num_pages}")
         host = self._host_pool()
-        programs, items, warps = transfer_spec(transfer_programs or self.args.transfer_programs.split(",")[0])
         extents = [host.allocate(f"s{i}", mc.num_layers, nb, mc.num_kv_heads) for i in range(batch)]
         try:
             if any(e is None for e in extents):
                 return self._no_fit("sparse", batch, context,
                                     f"host pool holds {host.num_items * host.item_bytes / 2**30:.0f} GiB")
+            dma = transfer_backend == "dma" and tuning.stages == 3
+            # dma: the pipeline predicts and selects; the host moves the admissions after the step
             p = LookaheadPipeline(cfg, mc, r.kv, host, max_rows=batch, max_blocks=nb, block_size=bs,
-                                  **({"transfer_programs": programs} if programs else {}),
-                                  transfer_backend=transfer_backend or self.args.transfer_backend.split(",")[0],
-                                  **({"transfer_priority": TRANSFER_PRIORITIES[transfer_priority]}
-                                     if transfer_priority != "auto" else {}))
-            if programs:  # P[:ITEMS[:WARPS]]: the kernel's own items and warps where not given
-                p.transfer_items, p.transfer_warps = items or ITEMS_PER_LOAD, warps or NUM_WARPS
-            p.prefetch = prefetch
-            p.stages = stages
-            tiling = tiling_spec(bounds_tiling or self.args.bounds_tiling.split(",")[0])
-            if tiling is not None:
-                p.bounds_tiling = tiling if tiling[1] else pipeline_bounds_tiling(nb, tiling[0], tiling[2])
-            if deferred_layers is not None and p.deferred_layers:  # background UVA only
-                p.deferred_layers = min(deferred_layers, mc.num_layers)
-            if attention_splits is not None:
-                p.attention_splits = attention_splits or None
+                                  tuning=dataclasses.replace(tuning, stages=2) if dma else tuning)
+            transfer_on_host = DmaTransfer(p) if dma else None
             first = p.arena.offset(batch * P)  # the summaries in the pages after the working sets'
             for i, e in enumerate(extents):
                 p.bind(i, list(range(i * P, (i + 1) * P)), e, summary_offset=first + i * nb)
@@ -279,14 +257,6 @@ class DecodeBench:
             p.active.fill_(True)
             use_graph = r.device.type == "cuda" and not r.cfg.enforce_eager  # eager above size 1
             p.timing = PipelineTiming(mc.num_layers) if r.device.type == "cuda" else None  # eager too (size > 1)
-            if gemm_sm_carveout is not None:
-                p.gemm_sm_carveout = gemm_sm_carveout
-            if attention_stages is not None:
-                p.attention_stages = attention_stages
-            p.attention_fused_merge = fused_merge
-            p.stages_fork = stages_fork or p.stages_fork
-            if tma_stages is not None:
-                p.transfer_tma_stages = tma_stages
             step_fn = SparseDecodeStep(r.model, r.kv_caches, p, mc.max_position_embeddings, use_graph)
             # Seeded on the host: every rank feeds the same tokens (the vocabulary is split over them).
             gen = torch.Generator().manual_seed(1)
@@ -297,7 +267,10 @@ class DecodeBench:
 
             def step():
                 nonlocal ids, in_flight
-                logits = r.model.compute_logits(step_fn.run(ids))
+                hidden = step_fn.run(ids)
+                if transfer_on_host is not None:  # dma: the admissions move before anything else runs
+                    transfer_on_host()
+                logits = r.model.compute_logits(hidden)
                 tokens = logits[0::2].argmax(-1)
                 drafts = logits[1::2].argmax(-1)  # `self`: the draft row's own next-token guess
                 ids = torch.stack([tokens, drafts], 1).view(-1)
@@ -324,23 +297,21 @@ class DecodeBench:
             summaries = batch * self.summary_bytes(context, cfg.summary_dtype) * ((context // bs) / nb)  # scored range
             res = self._result("sparse", batch, context, seconds, kv_read=kv, summaries=summaries,
                                fetched=fetched)
-            res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=prefetch,
+            res.update(fetch_ratio=cfg.fetch_ratio, cap=cfg.fetch_cap, top_k_blocks=K, prefetch=tuning.stages > 0,
                        fetch_budget=fetch_budget,
                        budget_mb_per_step=p.budget.step_bytes / 1e6 if p.budget.enabled else None,
-                       pipeline_stages=stages,
-                       transfer_programs=p.transfer_programs, transfer_items=p.transfer_items,
-                       transfer_warps=p.transfer_warps,
-                       transfer_backend=p.transfer_backend,
+                       pipeline_stages=tuning.stages,
+                       transfer_programs=tuning.transfer_programs, transfer_items=tuning.transfer_items,
+                       transfer_warps=tuning.transfer_warps, transfer_backend=transfer_backend,
                        bounds_tiling=":".join(map(str, p.bounds_tiling)), summary_dtype=cfg.summary_dtype,
-                       deferred_layers=p.deferred_layers, attention_splits=p.attention_splits or 0,
-                       gemm_sm_carveout=p.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
-                       attention_merge="fused" if p.attention_fused_merge else "launch",
-                       stages_fork=p.stages_fork, transfer_tma_stages=p.transfer_tma_stages,
+                       deferred_layers=len(p.deferred_range()), attention_splits=tuning.attention_splits or 0,
+                       gemm_sm_carveout=tuning.gemm_sm_carveout, attention_stages=p.attention_stages or 0,
+                       stages_fork=p.stages_fork,
                        transfer_priority=next((name for name, value in TRANSFER_PRIORITIES.items()
-                                               if value == p.transfer_priority), str(p.transfer_priority)),
+                                               if value == tuning.transfer_priority), str(tuning.transfer_priority)),
                        hit_rate=(h1 - h0) / max(1, h1 - h0 + m1 - m0),
                        admitted_per_step=(a1 - a0) / self.args.steps)
-            if p.timing is not None and prefetch:
+            if p.timing is not None and p.prefetch:
                 res.update(self._stall(step, p.timing, res["step_ms"]))
             del step_fn, p
             return res
@@ -487,42 +458,46 @@ def transfer_spec(text: str) -> tuple[int | None, int | None, int | None]:
     return parts[0], (parts[1:2] or [None])[0], (parts[2:3] or [None])[0]
 
 
-def tiling_spec(text: str) -> tuple[int, int | None, int] | None:
-    """--bounds-tiling value TILE:TILES:STAGES (TILES may be auto: the pipeline's programs per
-    head), or None for "auto"."""
-    if text == "auto":
-        return None
-    try:
-        parts = tuple(None if i == 1 and x == "auto" else int(x) for i, x in enumerate(text.split(":")))
-    except ValueError:
-        parts = ()
-    if len(parts) != 3 or min(x for x in parts if x is not None) < 1 or parts[0] < 16:
-        raise ValueError(f"--bounds-tiling takes auto or TILE:TILES:STAGES (TILE >= 16, TILES a count or auto), "
-                         f"not {text!r}")
-    return parts
+def sweep_tunings(args, programs: str | None = None) -> list[PipelineTuning]:
+    """The pipeline tunings the tuning flags ask for, every combination of their comma lists
+    (programs: one --transfer-programs value; default: the first)."""
+    base = PipelineTuning()
+    count, items, warps = transfer_spec(programs or args.transfer_programs.split(",")[0])
+    if count:  # P[:ITEMS[:WARPS]]: the kernel's own items and warps where not given
+        from oasiskv.kernels.copy_items import ITEMS_PER_LOAD, NUM_WARPS
+        base = dataclasses.replace(base, transfer_programs=count, transfer_items=items or ITEMS_PER_LOAD,
+                                   transfer_warps=warps or NUM_WARPS)
+    listed = lambda text, parse=_ints: parse(text) if text else [None]  # noqa: E731
+    tunings = []
+    for deferred, splits, carveout, stages, fork, priority in itertools.product(
+            listed(args.deferred_layers), listed(args.attention_splits), listed(args.gemm_sm_carveouts),
+            listed(args.attention_stages), listed(args.stage_forks, lambda t: t.split(",")),
+            args.transfer_priorities.split(",")):
+        changes = dict(deferred_layers=deferred, attention_stages=stages, stages_fork=fork)
+        if splits is not None:
+            changes["attention_splits"] = splits or None  # 0: the kernel's choice
+        if carveout is not None:
+            changes["gemm_sm_carveout"] = carveout
+        if priority != "auto":
+            changes["transfer_priority"] = TRANSFER_PRIORITIES[priority]
+        tunings.append(dataclasses.replace(base, **changes))
+    return tunings
 
 
 def run_decode_bench(args) -> int:
     for text in args.transfer_programs.split(","):  # bad values fail now, not after the model loads
         transfer_spec(text)
-    for text in args.bounds_tiling.split(","):
-        tiling_spec(text)
     if args.deferred_layers and any(n < 0 for n in _ints(args.deferred_layers)):
         raise ValueError(f"--deferred-layers takes counts >= 0, not {args.deferred_layers!r}")
     if args.attention_splits and any(n < 0 for n in _ints(args.attention_splits)):
         raise ValueError(f"--attention-splits takes counts >= 0 (0: the kernel's choice), not {args.attention_splits!r}")
     if args.attention_stages and any(n < 1 for n in _ints(args.attention_stages)):
         raise ValueError(f"--attention-stages takes counts >= 1, not {args.attention_stages!r}")
-    if set(args.attention_merges.split(",")) - {"launch", "fused"}:
-        raise ValueError(f"--attention-merges takes launch / fused, not {args.attention_merges!r}")
-    from oasiskv.sparse.pipeline import STAGE_FORKS
     if args.stage_forks and set(args.stage_forks.split(",")) - set(STAGE_FORKS):
         raise ValueError(f"--stage-forks takes {' / '.join(STAGE_FORKS)}, not {args.stage_forks!r}")
     if set(args.transfer_priorities.split(",")) - set(TRANSFER_PRIORITIES) - {"auto"}:
         raise ValueError(f"--transfer-priorities takes auto / {' / '.join(TRANSFER_PRIORITIES)}, "
                          f"not {args.transfer_priorities!r}")
-    if args.transfer_tma_stages and any(n < 0 for n in _ints(args.transfer_tma_stages)):
-        raise ValueError(f"--transfer-tma-stages takes counts >= 0, not {args.transfer_tma_stages!r}")
     if args.gemm_sm_carveouts and any(n < 0 for n in _ints(args.gemm_sm_carveouts)):
         raise ValueError(f"--gemm-sm-carveouts takes counts >= 0, not {args.gemm_sm_carveouts!r}")
     cfg = engine_config(args)
@@ -572,28 +547,17 @@ def decode_bench_on_rank(group, args) -> int:
                     if "sparse" in modes:
                         for backend in args.transfer_backend.split(","):
                             for programs in args.transfer_programs.split(",") if backend == "uva" else ["8"]:
-                                for tiling, summary, deferred, splits, carveout, stages, merge, fork, tma, priority in itertools.product(
-                                        args.bounds_tiling.split(","), (args.summary_dtypes or args.summary_dtype).split(","),
-                                        _ints(args.deferred_layers) if args.deferred_layers else [None],
-                                        _ints(args.attention_splits) if args.attention_splits else [None],
-                                        _ints(args.gemm_sm_carveouts) if args.gemm_sm_carveouts else [None],
-                                        _ints(args.attention_stages) if args.attention_stages else [None],
-                                        args.attention_merges.split(","),
-                                        args.stage_forks.split(",") if args.stage_forks else [None],
-                                        _ints(args.transfer_tma_stages) if args.transfer_tma_stages else [None],
-                                        args.transfer_priorities.split(",")):
-                                    record(bench.run_sparse(batch, context, transfer_programs=programs,
-                                                            transfer_backend=backend, bounds_tiling=tiling,
-                                                            summary_dtype=summary, deferred_layers=deferred,
-                                                            attention_splits=splits, gemm_sm_carveout=carveout,
-                                                            attention_stages=stages, fused_merge=merge == "fused",
-                                                            stages_fork=fork, tma_stages=tma,
-                                                            transfer_priority=priority))
+                                for summary, tuning in itertools.product(
+                                        (args.summary_dtypes or args.summary_dtype).split(","),
+                                        sweep_tunings(args, programs)):
+                                    record(bench.run_sparse(batch, context, tuning, transfer_backend=backend,
+                                                            summary_dtype=summary))
                         if args.no_prefetch_run:
-                            record(bench.run_sparse(batch, context, prefetch=False))
+                            record(bench.run_sparse(batch, context, dataclasses.replace(bench.tuning, stages=0)))
                         if args.stage_ablation:
                             for stages in (1, 2):
-                                record(bench.run_sparse(batch, context, stages=stages))
+                                record(bench.run_sparse(batch, context, dataclasses.replace(bench.tuning,
+                                                                                            stages=stages)))
         bench.overlap = engine_overlap
     if args.fetch_ablation:
         result["fetch_ablation"] = []
@@ -602,7 +566,7 @@ def decode_bench_on_rank(group, args) -> int:
             print_header()
             runs = []
             for ratio, budget in [(r, "off") for r in FETCH_RATIOS] + [(None, "auto")]:
-                runs.append(bench.run_sparse(batch, args.context_len, ratio, fetch_budget=budget))
+                runs.append(bench.run_sparse(batch, args.context_len, fetch_ratio=ratio, fetch_budget=budget))
                 result["fetch_ablation"].append(runs[-1])
                 print_row(runs[-1])
                 save()
@@ -662,9 +626,9 @@ def print_row(r: dict) -> None:
         print(f"{r['mode']:>6} {r['batch']:>5} {r['context']:>7}  does not fit: {r['why']}", flush=True)
         return
     sp = r["mode"] == "sparse"
-    mode = r["mode"] if r.get("prefetch", True) else "fg"
+    mode = r["mode"]
     if r.get("pipeline_stages", 3) < 3:
-        mode = ("predict", "select")[r["pipeline_stages"] - 1]
+        mode = ("fg", "predict", "select")[r["pipeline_stages"]]
     print(f"{mode:>6} {r['batch']:>5} {r['context']:>7} {'on' if r.get('async_scheduling') else 'off':>5} "
           f"{('auto' if r.get('fetch_budget') == 'auto' else r.get('fetch_ratio', 0)) if sp else '':>5} "
           f"{(r.get('transfer_programs') if r.get('transfer_backend') == 'uva' else 'dma') if sp else '':>3} "
@@ -679,9 +643,7 @@ def print_row(r: dict) -> None:
           f"{'splits ' + str(r.get('attention_splits') or 'auto') if sp else ''}"
           f"{' carveout ' + str(r['gemm_sm_carveout']) if sp else ''}"
           f"{' stages ' + str(r['attention_stages']) if sp and r.get('attention_stages') else ''}"
-          f"{' fused-merge' if sp and r.get('attention_merge') == 'fused' else ''}"
           f"{' fork ' + r['stages_fork'] if sp and r.get('stages_fork', 'attention') != 'attention' else ''}"
-          f"{' tma ' + str(r['transfer_tma_stages']) if sp and r.get('transfer_tma_stages') else ''}"
           f"{' transfer-priority high' if sp and r.get('transfer_priority') == 'high' else ''}"
           f"{' experts %.0f a layer' % r['experts_touched_per_layer'] if 'experts_touched_per_layer' in r else ''}"
           f"{', %.1f%% of the measured copy rate' % (100 * r['measured_copy_fraction']) if 'measured_copy_fraction' in r else ''}",

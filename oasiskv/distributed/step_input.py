@@ -139,8 +139,7 @@ class RequestMirror:
         of the step that decided it), then the finished requests (their host extents go back
         before new ones are placed, as on rank 0), then the batch's changes."""
         r = self.runner
-        recorded = {id(seq): q for seq, q in r.pending_conversions}
-        r.pending_conversions = []
+        recorded = {id(seq): q for seq, q in r.take_conversions()}
         for c in step.row_changes:
             seq = self.seqs[c.request_id]
             if isinstance(c, LeavePipeline):

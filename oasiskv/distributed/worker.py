@@ -80,7 +80,7 @@ def read_launched(runner: ParallelModelRunner, in_flight) -> None:
     seqs, (_, host, ready) = in_flight
     values = read_host(host, ready)
     if runner.is_pipeline_batch(seqs):
-        runner.read_pipeline_decode(seqs, values)
+        runner.sparse_runner.read_pipeline_decode(seqs, values)
 
 
 def worker_main(rank: int, cfg: EngineConfig, port: int, conn) -> None:

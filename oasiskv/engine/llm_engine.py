@@ -43,7 +43,7 @@ class InFlight:
     def read(self) -> list[int]:
         values = read_host(self.host_tokens, self.ready)
         if self.runner is not None:
-            return self.runner.read_pipeline_decode(self.batch.seqs, values)
+            return self.runner.sparse_runner.read_pipeline_decode(self.batch.seqs, values)
         return values
 
 
@@ -250,7 +250,7 @@ class LLMEngine:
         r = self.runner
         if r.sparse is None:
             return True
-        if r.pending_conversions:
+        if r.sparse_runner.pending_conversions:  # a request converts after this step
             return False
         if r.is_pipeline_batch(seqs):
             return True
@@ -270,7 +270,7 @@ class LLMEngine:
     def _convert_to_sparse(self) -> None:
         """Requests whose context passed the threshold this step move their KV to the host."""
         runner = self.runner
-        pending, runner.pending_conversions = runner.pending_conversions, []
+        pending = runner.take_conversions()
         if not pending:
             return
         t0, done = time.perf_counter(), runner.sparse.num_conversions

@@ -19,12 +19,12 @@ from oasiskv.engine.sampler import on_device, sample_requests, to_host
 from oasiskv.engine import runtime_compiles
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
-from oasiskv.engine.sparse_decode import SparseDecodeMixin
+from oasiskv.engine.sparse_runner import SparseRunner
 from oasiskv.kernels import cudnn_prefill, paged_prefill
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model, skip_weight_init
-from oasiskv.sparse.decode_step import SparseDecodeStep
+from oasiskv.sparse.drafters import drafter_named
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.host_pool import HostKVPool, PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
@@ -43,7 +43,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class ModelRunner(SparseDecodeMixin):
+class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.device = pick_device(cfg.device)
@@ -78,8 +78,11 @@ class ModelRunner(SparseDecodeMixin):
             self.sparse.pipeline = self.pipeline
             if self.device.type == "cuda":  # events inside the captured step: the stall per step
                 self.pipeline.timing = PipelineTiming(mc.num_layers)
-        self.pipeline_steps: dict[tuple[int, int], SparseDecodeStep] = {}  # per (batch bucket, scan width)
-        self.pending_conversions: list[tuple[Sequence, torch.Tensor]] = []
+        # The sparse decode steps, when sparse decode is on.
+        self.sparse_runner = None if self.sparse is None else SparseRunner(
+            self.model, self.kv_caches, self.sparse, self.pipeline, self._graph_buckets(),
+            use_graph=self.device.type == "cuda" and not cfg.enforce_eager,
+            attention_splits=cfg.pipeline_tuning.attention_splits)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.memory_plan = MemoryPlan(
             weights=sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers())),
@@ -89,7 +92,7 @@ class ModelRunner(SparseDecodeMixin):
             before = allocated(self.device)
             self._capture_decode_graphs()
             if self.pipeline is not None:
-                self.capture_pipeline_steps()
+                self.sparse_runner.capture_pipeline_steps()
             self.memory_plan.cuda_graphs = allocated(self.device) - before
         if self.sparse is not None:
             self.sparse.scan_blocks = self.max_blocks_per_seq
@@ -131,11 +134,11 @@ class ModelRunner(SparseDecodeMixin):
     def _use_pipeline(self) -> bool:
         """Sparse decode runs through the batched pipeline (docs/design.md: GPU-resident state, stages
         on side streams, one CUDA graph per step) on CUDA; the in-line per-request path stays for
-        the oracle and on-demand drafters and as the reference on CPU."""
+        the drafters that do not run on the pipeline and as the reference on CPU."""
         mode = self.cfg.sparse_pipeline
         if not self.cfg.sparse.enabled or mode == "off":
             return False
-        return mode == "on" or (self.device.type == "cuda" and self.cfg.sparse.drafter not in ("oracle", "ondemand"))
+        return mode == "on" or (self.device.type == "cuda" and drafter_named(self.cfg.sparse.drafter).runs_on_pipeline)
 
     def _build_pipeline(self, sc, kv: torch.Tensor, host: HostKVPool, remote_items: torch.Tensor | None,
                         ) -> LookaheadPipeline:
@@ -148,7 +151,7 @@ class ModelRunner(SparseDecodeMixin):
                                 self.num_kv_heads, cfg.max_num_seqs, sc.top_k_blocks, kv.device,
                                 want_per_head=cfg.want_per_head())
         return LookaheadPipeline(sc, mc, kv, host, max_rows=cfg.max_num_seqs, max_blocks=self.max_blocks_per_seq,
-                                 block_size=self.block_size, remote=remote)
+                                 block_size=self.block_size, tuning=cfg.pipeline_tuning, remote=remote)
 
     def _pipeline_reserve(self) -> int:
         """GPU bytes of the pipeline's per-row state (its tables, hand-off buffers, and on a
@@ -274,9 +277,9 @@ class ModelRunner(SparseDecodeMixin):
             record = {}
             for seq, n, c in zip(batch.seqs, batch.num_tokens, chunks):
                 if seq.num_cached_tokens + n == seq.num_tokens and self.sparse.should_convert(seq, seq.num_tokens):
-                    record[c.start + n - 1] = self._query_buffer(seq)
+                    record[c.start + n - 1] = self.sparse_runner.record_query(seq)
             if record:
-                meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.cfg.drafter, record_rows=record)
+                meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.drafter, record_rows=record)
         return self._h2d(np.concatenate(ids)), self._h2d(positions), meta, logits_rows, prompt_rows
 
     def run_streamed_prefill(self, seq: Sequence, ids: torch.Tensor, positions: torch.Tensor,
@@ -305,7 +308,7 @@ class ModelRunner(SparseDecodeMixin):
         """ids: the input tokens already on the device (async scheduling: the last step's
         samples, not yet read by the host); default: each sequence's newest token."""
         if self.needs_sparse_step(seqs):
-            return self.prepare_mixed_decode(seqs)
+            return self.sparse_runner.prepare_mixed_decode(seqs)
         B, Hkv = len(seqs), self.num_kv_heads
         positions = np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64)
         pages = np.array([s.pages[p // self.block_size] for s, p in zip(seqs, positions)], dtype=np.int64)
@@ -352,7 +355,7 @@ class ModelRunner(SparseDecodeMixin):
         elif self.pipeline is not None and any(s.sparse is not None for s in batch.seqs):
             return self.run_with_pipeline(batch.seqs)
         elif self.needs_sparse_step(batch.seqs):
-            return self.run_sparse_decode(batch.seqs)
+            return self.sparse_runner.run_sparse_decode(batch.seqs)
         else:
             hidden = self.run_decode(batch.seqs)
             sampling_seqs = batch.seqs
@@ -368,12 +371,34 @@ class ModelRunner(SparseDecodeMixin):
         the device (the next step's inputs), a pinned host copy of them, and the event that marks
         the copy done. Async scheduling reads the host copy once the event fires: `.tolist()` on
         the device tensor would queue behind the step launched after this one and wait for it too.
-        A batch of pipeline rows launches `launch_pipeline_decode` instead: ids and tokens are
-        then [n, 2] (token, draft) pairs, and `read_pipeline_decode` reads them."""
+        A batch of pipeline rows launches `SparseRunner.launch_pipeline_decode` instead: ids and
+        tokens are then [n, 2] (token, draft) pairs, and `read_pipeline_decode` reads them."""
         if self.is_pipeline_batch(seqs):
-            return self.launch_pipeline_decode(seqs, ids)
+            return self.sparse_runner.launch_pipeline_decode(seqs, ids)
         tokens = sample_requests(self.model.compute_logits(self.run_decode(seqs, ids)), seqs)
         return tokens, *to_host(tokens)
+
+    def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
+        """The batch takes the two-row sparse path (`SparseRunner.needs_sparse_step`)."""
+        return self.sparse_runner is not None and self.sparse_runner.needs_sparse_step(seqs)
+
+    def run_with_pipeline(self, seqs: list[Sequence]) -> list[int]:
+        """Sparse requests step through the pipeline; dense ones (if any) through the dense path."""
+        sparse = [s for s in seqs if s.sparse is not None]
+        dense = [s for s in seqs if s.sparse is None]
+        tokens = {}
+        if dense:
+            if self.needs_sparse_step(dense):  # one of them converts after this step
+                got = self.sparse_runner.run_sparse_decode(dense)
+            else:
+                got = sample_requests(self.model.compute_logits(self.run_decode(dense)), dense).tolist()
+            tokens.update(zip(map(id, dense), got))
+        tokens.update(zip(map(id, sparse), self.sparse_runner.run_pipeline_decode(sparse)))
+        return [tokens[id(s)] for s in seqs]
+
+    def take_conversions(self) -> list[tuple[Sequence, torch.Tensor]]:
+        """The requests the last step decided to convert, with their recorded queries (then none)."""
+        return [] if self.sparse_runner is None else self.sparse_runner.take_conversions()
 
     def is_pipeline_batch(self, seqs: list[Sequence]) -> bool:
         """Every request of the batch decodes sparse through the lookahead pipeline."""

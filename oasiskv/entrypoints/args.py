@@ -5,6 +5,7 @@ import argparse
 import json
 
 from oasiskv.config import EngineConfig
+from oasiskv.sparse.drafters import drafter_names
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          "more than the cap per head: auto (what the measured link carries during the "
                          "step's foreground; on CPU a nominal 50 GB/s x 6 ms), a number of MB, or off "
                          "(the fixed cap alone)")
-    sp.add_argument("--drafter", default="self", help="self | ngram | prev | oracle | ondemand")
+    sp.add_argument("--drafter", default="self", help=" | ".join(drafter_names()))
     sp.add_argument("--host-kv-gb", type=float, default=4.0)
     sp.add_argument("--summary-dtype", default="auto", choices=["auto", "kv", "fp8"],
                     help="block min/max summaries: fp8 e4m3 (half the bytes each step scans), kv (the KV "

@@ -21,8 +21,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from oasiskv.sparse.drafters import USES_DRAFT_TOKEN
-
 
 class LookaheadRecorder:
     def __init__(self, num_layers: int, ks: list[int], drafter: str):
@@ -43,7 +41,7 @@ class LookaheadRecorder:
 
     def __call__(self, layer: int, q: torch.Tensor, hooks) -> None:
         m, Q = hooks.manager, hooks.query_len
-        draft_row = 1 if hooks.drafter in USES_DRAFT_TOKEN else 0
+        draft_row = 1 if hooks.drafter.sends_draft_token else 0
         for r in hooks.rows:
             q_now = q[r.batch_index * Q]
             key = (id(r.ws), layer)

@@ -103,22 +103,16 @@ def fetch_admitted(host: torch.Tensor, kv_layer: torch.Tensor, layer: int, admit
                    admit_slots: torch.Tensor, pages: torch.Tensor, extent_start: torch.Tensor,
                    extent_blocks: torch.Tensor, num_heads: int, num_sink: int,
                    num_programs: int = DEFAULT_PROGRAMS, items_per_load: int = ITEMS_PER_LOAD,
-                   num_warps: int = NUM_WARPS, tma_stages: int = 0) -> None:
+                   num_warps: int = NUM_WARPS) -> None:
     """The transfer stage: every admitted (request, head, block) item host -> its GPU slot.
 
     admit_blocks / admit_slots: [R * num_heads, C] (row r * num_heads + h; -1 unused); the
     item of block b of row r is host[extent_start[r] + (layer * extent_blocks[r] + b) * H + h]
     (HostExtent's layout) and goes to slot pages[r, num_sink + slot] * H + h of `kv_layer`;
     rows with extent_blocks 0 have no host extent and are skipped (`copy_mapped` moves them).
-    On CUDA the addresses are computed inside the copy kernel: one launch per layer.
-    tma_stages > 0: the items cross through the SM's tensor-memory accelerator instead of its
-    load units, that many deep (`_fetch_tma`)."""
+    On CUDA the addresses are computed inside the copy kernel: one launch per layer."""
     RH, C = admit_blocks.shape
     if kv_layer.is_cuda and triton is not None:
-        if tma_stages:
-            _fetch_tma(host, kv_layer, layer, admit_blocks, admit_slots, pages, extent_start, extent_blocks,
-                       num_heads, num_sink, num_programs, tma_stages)
-            return
         _launch(_fetch_kernel, RH * C, num_programs, kv_layer[0].numel(), host, kv_layer, admit_blocks,
                 admit_slots, pages, extent_start, extent_blocks, layer, RH * C, C, num_heads,
                 pages.shape[1], num_sink, items_per_load=items_per_load, num_warps=num_warps)
@@ -203,52 +197,3 @@ if triton is not None:
                     h = (j % H).to(tl.int64)
                     _move(kv_ptr, host_ptr, layer * num_slots + wslot + h, start + (layer * nblk + blk) * H + h,
                           j < L * H, ITEM, ITEMP)
-
-
-# ------------------------------------------------------------------ the transfer through TMA
-
-def item_tile(item: int) -> tuple[int, int]:
-    """(rows, cols) of one item seen as a 2-D tile a TMA box can hold: cols a power of two
-    <= 256 (the box's limit per dimension) that divides the item."""
-    cols = 256
-    while item % cols:
-        cols //= 2
-    return item // cols, cols
-
-
-def _fetch_tma(host, kv_layer, layer, admit_blocks, admit_slots, pages, extent_start, extent_blocks,
-               num_heads, num_sink, num_programs, stages):
-    """`fetch_admitted` with each item read by one TMA box load and written by one TMA store.
-
-    Why it exists: the load-unit kernel's rate is bound per SM, so it needs several SMs beside
-    the foreground. A TMA load is one instruction for 8 KiB, and the loop's software pipeline
-    keeps `stages` - 1 of them in flight. A skipped entry (-1) gets a destination row past the
-    pool's end: TMA drops stores outside the tensor, so nothing is written. It is exact and
-    faster per program, but its total rate stays below the load-unit kernel's, so the pipeline
-    keeps the load units (`pipeline.TRANSFER_TMA_STAGES`)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    RH, C = admit_blocks.shape
-    num_slots, item = kv_layer.shape[0], kv_layer[0].numel()
-    rows, cols = item_tile(item)
-    src = TensorDescriptor(host.view(-1, cols), [host.shape[0] * rows, cols], [cols, 1], [rows, cols])
-    dst = TensorDescriptor(kv_layer.view(-1, cols), [num_slots * rows, cols], [cols, 1], [rows, cols])
-    n = RH * C
-    if n:
-        _fetch_tma_kernel[(min(num_programs, n),)](
-            src, dst, admit_blocks, admit_slots, pages, extent_start, extent_blocks, layer, n, C, num_heads,
-            pages.shape[1], num_sink, num_slots, ROWS=rows, STAGES=stages, num_warps=4)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _fetch_tma_kernel(host_desc, kv_desc, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
-                          layer, n, C, H, P, S, num_slots, ROWS: tl.constexpr, STAGES: tl.constexpr):
-        for w in tl.range(tl.program_id(0), n, tl.num_programs(0), num_stages=STAGES):
-            src, dst, ok = _admitted_item(w, n, blk_ptr, slot_ptr, pages_ptr, ext_start_ptr, ext_blocks_ptr,
-                                          layer, C, H, P, S)
-            src = tl.where(ok, src, 0)
-            dst = tl.where(ok, dst, num_slots)  # past the end: the store is dropped
-            x = host_desc.load([(src * ROWS).to(tl.int32), 0])
-            kv_desc.store([(dst * ROWS).to(tl.int32), 0], x)

@@ -4,8 +4,7 @@ flash-decoding kernel (GPU), both matching `paged_decode_ref` (reference.py).
 Every (sequence, kv head) attends its own slot list (docs/design.md, "Memory layout"), so one
 kernel serves dense and sparse requests. The GPU kernel is split-K ("flash decoding"): the slots of
 one (sequence, head) are cut into `num_splits` ranges handled by separate programs,
-whose partial softmax states are merged, together with the new tokens, by a second kernel
-(or, with `fused_merge`, by whichever split program of the (sequence, head) finishes last).
+whose partial softmax states are merged, together with the new tokens, by a second kernel.
 With one split there is nothing to merge: the program attends the new tokens itself.
 """
 from __future__ import annotations
@@ -27,14 +26,13 @@ DECODE_STAGES = 3
 
 def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
-                 scale: float, num_splits: int | None = None, num_stages: int | None = None,
-                 fused_merge: bool = False) -> torch.Tensor:
+                 scale: float, num_splits: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Triton on CUDA tensors (num_splits: the kernel's, None = `choose_num_splits`; num_stages:
-    its software pipeline, None = `DECODE_STAGES`; fused_merge: see `paged_decode_triton`),
-    vectorized torch otherwise. Shapes as in `paged_decode_ref`."""
+    its software pipeline, None = `DECODE_STAGES`), vectorized torch otherwise. Shapes as in
+    `paged_decode_ref`."""
     if q.is_cuda:
         return paged_decode_triton(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale, num_splits,
-                                   num_stages=num_stages or DECODE_STAGES, fused_merge=fused_merge)
+                                   num_stages=num_stages or DECODE_STAGES)
     return paged_decode_torch(q, k_new, v_new, kv_cache, slot_tables, cache_lens, scale)
 
 
@@ -114,17 +112,14 @@ if triton is not None:
             skv_slot, skv_kv, skv_tok,
             sst_b, sst_h, sl_b, sl_h,
             qk_scale, num_splits,
-            kn_ptr, vn_ptr, out_ptr, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h, count_ptr,
+            kn_ptr, vn_ptr, out_ptr, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
             G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
             M: tl.constexpr, TILE_BLKS: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr,
-            FUSED_MERGE: tl.constexpr, MS: tl.constexpr, SC: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr):
         """One program: (sequence b, kv head h, split s) over a contiguous range of its slots.
         Rows are the group's G query heads x Q tokens (row r = g * Q + i), padded to M.
         SINGLE (one split): the program also attends the new tokens and writes the output, so
-        no merge launch follows. FUSED_MERGE: the split programs of (b, h) count themselves in
-        at count_ptr[b, h] once their partials are stored; the last to arrive merges them (as
-        `_decode_merge_kernel` does) and sets the count back to 0, so no merge launch follows."""
+        no merge launch follows."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -183,21 +178,10 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
             # Partials of an empty split are never read: the merge stops at the last valid split.
-            part0 = (b * tl.num_programs(1) + h) * num_splits
-            part = part0 + s
+            part = (b * tl.num_programs(1) + h) * num_splits + s
             tl.store(pm_ptr + part * M + rows, m_i, mask=row_ok)
             tl.store(pl_ptr + part * M + rows, l_i, mask=row_ok)
             tl.store(pacc_ptr + (part * M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
-            if FUSED_MERGE:
-                tl.debug_barrier()  # every thread's partials are stored before the count (release)
-                count = count_ptr + b * tl.num_programs(1) + h
-                if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-                    n_valid = tl.cdiv(nblk, tl.maximum(per_split, 1))
-                    # Partials written by other SMs: read through L2 (".cg"), not this SM's L1.
-                    _merge_splits(q_ptr, kn_ptr, vn_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, b, h, part0, n_valid,
-                                  sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
-                                  qk_scale, G, Q, D, M, MS, SC, ".cg")
-                    tl.store(count, 0)  # ready for the next launch (and graph replay)
 
     @triton.jit
     def _decode_merge_kernel(
@@ -218,15 +202,15 @@ if triton is not None:
         _merge_splits(q_ptr, kn_ptr, vn_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, b, h,
                       (b * tl.num_programs(1) + h) * num_splits, n_valid,
                       sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h,
-                      qk_scale, G, Q, D, M, MS, SC, "")
+                      qk_scale, G, Q, D, M, MS, SC)
 
     @triton.jit
     def _merge_splits(q_ptr, kn_ptr, vn_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, b, h, part0, n_valid,
                       sq_b, sq_q, sq_h, skn_b, skn_q, skn_h, svn_b, svn_q, svn_h, so_b, so_q, so_h, qk_scale,
                       G: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, M: tl.constexpr, MS: tl.constexpr,
-                      SC: tl.constexpr, CACHE: tl.constexpr):
+                      SC: tl.constexpr):
         """(b, h)'s n_valid partials from part0 on, merged, then its new tokens, normalised and
-        stored. CACHE: the partials' load cache modifier."""
+        stored."""
         rows = tl.arange(0, MS)  # MS: rows padded to a power of two only (no tl.dot here)
         row_ok = rows < G * Q
         d = tl.arange(0, D)
@@ -239,10 +223,9 @@ if triton is not None:
         for s0 in range(0, n_valid, SC):
             ok = ((s0 + sc) < n_valid)[:, None] & row_ok[None, :]  # [SC, MS]
             off = (part0 + s0 + sc)[:, None] * M + rows[None, :]
-            m_s = tl.load(pm_ptr + off, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-            l_s = tl.load(pl_ptr + off, mask=ok, other=0.0, cache_modifier=CACHE)
-            a_s = tl.load(pacc_ptr + off[:, :, None] * D + d[None, None, :], mask=ok[:, :, None],
-                          other=0.0, cache_modifier=CACHE)
+            m_s = tl.load(pm_ptr + off, mask=ok, other=float("-inf"))
+            l_s = tl.load(pl_ptr + off, mask=ok, other=0.0)
+            a_s = tl.load(pacc_ptr + off[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0)
             m_new = tl.maximum(m_c, tl.max(m_s, 0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows: avoid inf - inf
             alpha = tl.exp2(m_c - m_ref)
@@ -288,23 +271,6 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_ARRIVAL_COUNTS: dict = {}
-
-
-def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
-    """The fused merge's per-(sequence, kv head) arrival counts, int32. They are 0 between
-    launches (each merging program resets its own), so one zeroed buffer per device and size
-    serves every call on a stream. A buffer first needed inside a graph capture is zeroed in the
-    graph instead (a memset each replay): warm up outside the capture to avoid it."""
-    key = (str(device), n)
-    if key in _ARRIVAL_COUNTS:
-        return _ARRIVAL_COUNTS[key]
-    counts = torch.zeros(n, dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _ARRIVAL_COUNTS[key] = counts
-    return counts
-
-
 def choose_num_splits(batch_heads: int, max_blocks: int, num_sms: int,
                       tile_blocks: int = 8, min_tiles_per_split: int = 4, max_splits: int = 32) -> int:
     """Splits per (sequence, kv head), from static sizes only (graph capture: no host sync).
@@ -321,13 +287,10 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         kv_cache: torch.Tensor, slot_tables: torch.Tensor, cache_lens: torch.Tensor,
                         scale: float, num_splits: int | None = None, tile_blocks: int = 8,
                         num_warps: int = 4, num_stages: int = DECODE_STAGES,
-                        out: torch.Tensor | None = None, fused_merge: bool = False) -> torch.Tensor:
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K flash decoding; same contract as `paged_decode_ref`. CUDA-graph capturable:
     launch sizes come from tensor shapes only, the valid lengths are read on device.
     `out` (optional, shaped like q) receives the result, e.g. a graph's static buffer.
-    fused_merge (more than one split): the last split program of each (sequence, head) to
-    finish merges the partials, instead of a second launch. A working set's one short wave
-    gains the splits' parallelism without the merge launch and the gap before it.
     Defaults (8 blocks = 128 tokens a tile, 4 warps, 3 stages): the fastest of a sweep at
     batch 16, 32K context (docs/benchmarks.md, "Kernels alone")."""
     B, Q, Hq, D = q.shape
@@ -357,8 +320,6 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     pacc = torch.empty(B, Hkv, parts, M, D, device=q.device, dtype=torch.float32)
     # Splits merged per iteration: all in flight at once, within ~32 fp32 registers a thread.
     merge_chunk = min(triton.next_power_of_2(num_splits), max(1, 4096 // (MS * D)))
-    fused = fused_merge and not single
-    counts = _arrival_counts(q.device, B * Hkv) if fused else cache_lens  # (not read unless fused)
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, kv_cache, slot_tables, cache_lens, pm, pl, pacc,
         q.stride(0), q.stride(1), q.stride(2),
@@ -366,10 +327,10 @@ def paged_decode_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         slot_tables.stride(0), slot_tables.stride(1), cache_lens.stride(0), cache_lens.stride(1),
         qk_scale, num_splits,
         k_new, v_new, out, k_new.stride(0), k_new.stride(1), k_new.stride(2),
-        v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2), counts,
+        v_new.stride(0), v_new.stride(1), v_new.stride(2), out.stride(0), out.stride(1), out.stride(2),
         G=G, Q=Q, D=D, BS=bs, M=M, TILE_BLKS=tile_blocks, UPCAST=upcast, PRECISION=precision, SINGLE=single,
-        FUSED_MERGE=fused, MS=MS, SC=merge_chunk, num_warps=num_warps, num_stages=num_stages)
-    if single or fused:
+        num_warps=num_warps, num_stages=num_stages)
+    if single:
         return out
     _decode_merge_kernel[(B, Hkv)](
         q, k_new, v_new, cache_lens, pm, pl, pacc, out,

@@ -5,7 +5,7 @@ A step's `AttentionMetadata` is built once by the model runner and read by every
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -30,9 +30,11 @@ def prefill_table(chunks: list[PrefillChunk], device: torch.device) -> PrefillTa
                               [c.prefix_len for c in chunks], [c.pages for c in chunks], device)
 
 
+@runtime_checkable
 class AttentionHooks(Protocol):
-    """What a sparse decode step does inside each layer (`sparse.step_hooks.SparseStepHooks` on
-    the in-line path, `sparse.pipeline.LookaheadPipeline` on the batched one)."""
+    """The interface between the model's layers and the sparse machinery: what a sparse decode
+    step does inside each layer (`sparse.step_hooks.SparseStepHooks` on the in-line path,
+    `sparse.pipeline.LookaheadPipeline` on the batched one)."""
 
     def summary_fold(self, layer: int) -> SummaryFold | None:
         """The qkv epilogue's fold of the step's keys into the block summaries, if it does one."""
@@ -61,7 +63,6 @@ class AttentionMetadata:
     query_len: int = 1
     num_splits: int | None = None  # the decode kernel's splits per (sequence, head); None: its choice
     num_stages: int | None = None  # the decode kernel's software-pipeline stages; None: its default
-    fused_merge: bool = False  # the decode kernel's last split program merges (no merge launch)
     hooks: AttentionHooks | None = None  # a sparse step's work around attention
 
     @property
@@ -85,8 +86,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         if tables.dim() == 4:
             tables, lens = tables[layer], lens[layer]
         out = paged_decode(q.view(B, Q, Hq, D), k.view(B, Q, -1, D), v.view(B, Q, -1, D),
-                           kv_cache, tables, lens, scale, meta.num_splits, meta.num_stages,
-                           meta.fused_merge).reshape(T, Hq, D)
+                           kv_cache, tables, lens, scale, meta.num_splits, meta.num_stages).reshape(T, Hq, D)
     if meta.hooks is not None:
         meta.hooks.after_attention(layer, q, k, meta)
     return out

@@ -4,11 +4,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from oasiskv.sparse.drafters import drafter_named
 from oasiskv.sparse.fetch_budget import parse_fetch_budget
 
 # Block summaries (oasiskv.sparse.summaries): auto (fp8 on CUDA, else the KV dtype), kv, fp8 e4m3.
 SUMMARY_DTYPES = ("auto", "kv", "fp8")
-DRAFTERS = ("self", "ngram", "prev", "oracle", "ondemand")
 # A request converts only once its context is at least this many times its working set
 # (S + K + W blocks; at K = 128 and block size 16: 4,256 tokens): below that its sparse step
 # reads about as many KV bytes as dense and adds the pipeline's work on top.
@@ -34,7 +34,7 @@ class SparseConfig:
     # EngineConfig sets (it knows the block size).
     sparse_threshold: int | None = None
     fetch_ratio: float = 0.05  # C = ceil(ratio * K) new blocks per head per step; 1.0 = uncapped
-    drafter: str = "self"
+    drafter: str = "self"  # a registered drafter's name (`sparse.drafters`)
     host_kv_gb: float = 4.0  # size of the pinned host arena holding sparse requests' full KV
     summary_dtype: str = "auto"  # block summaries: auto (fp8 on CUDA, else kv) | kv (the KV dtype) | fp8
     fetch_budget: str | float = "auto"  # bytes a step may move: auto | off | MB per step (`fetch_budget`)
@@ -53,8 +53,7 @@ class SparseConfig:
                              f"before it), got {self.window_blocks}")
         if not 0 < self.fetch_ratio <= 1:
             raise ValueError(f"--fetch-ratio must be in (0, 1], got {self.fetch_ratio}")
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        drafter_named(self.drafter)  # a registered drafter (`sparse.drafters.register`)
         if self.summary_dtype not in SUMMARY_DTYPES:
             raise ValueError(f"unknown --summary-dtype {self.summary_dtype!r}; choose one of {', '.join(SUMMARY_DTYPES)}")
         self.fetch_budget = parse_fetch_budget(self.fetch_budget)

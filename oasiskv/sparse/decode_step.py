@@ -18,7 +18,7 @@ class SparseDecodeStep:
     def __init__(self, model, kv_caches: list[torch.Tensor], pipeline: LookaheadPipeline,
                  max_position: int, use_graph: bool, rows: int | None = None, scan_blocks: int | None = None):
         """rows: the step runs over the pipeline's first `rows` rows (a batch-size bucket);
-        scan_blocks: the prediction's width (`pipeline.scan_buckets`; None: the pipeline's)."""
+        scan_blocks: the prediction's width (`LookaheadPipeline.scan_widths`; None: the pipeline's)."""
         p = self.pipeline = pipeline
         self.rows = rows or p.R
         self.scan_blocks = scan_blocks
@@ -41,8 +41,8 @@ class SparseDecodeStep:
         t = p.step_tables(self.max_position)  # before begin_step: it keeps the last step's write-through
         p.begin_step()
         meta = AttentionMetadata(write_slots=t.write_slots, write_offsets=t.write_offsets, slot_tables=t.slot_tables,
-                                 cache_lens=t.cache_lens, query_len=2, num_splits=p.attention_splits,
-                                 num_stages=p.attention_stages, fused_merge=p.attention_fused_merge, hooks=p)
+                                 cache_lens=t.cache_lens, query_len=2, num_splits=p.tuning.attention_splits,
+                                 num_stages=p.attention_stages, hooks=p)
         hidden = self.model(self.ids, t.positions, self.kv_caches, meta)
         p.join()
         p.cached[:R] += p.active[:R].int()  # the token is in the cache now
@@ -60,9 +60,7 @@ class SparseDecodeStep:
             p.active.copy_(active)
             p.step.copy_(step)
             self.graph = torch.cuda.CUDAGraph()
-            priority = p.foreground_priority
-            capture = None if priority is None else torch.cuda.Stream(p.device, priority=priority)
-            with torch.cuda.graph(self.graph, stream=capture):
+            with torch.cuda.graph(self.graph):
                 self.hidden = self._forward()
         torch.cuda.synchronize()
 
@@ -70,7 +68,7 @@ class SparseDecodeStep:
         """The GEMM settings the step runs (and is captured) under: SMs left to the stages
         when they run beside it."""
         p = self.pipeline
-        return foreground_gemms(p.gemm_sm_carveout if p.background else None)
+        return foreground_gemms(p.tuning.gemm_sm_carveout if p.background else None)
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor) -> torch.Tensor:
@@ -78,19 +76,15 @@ class SparseDecodeStep:
         self.ids.copy_(ids, non_blocking=True)
         if self.graph is None:
             with self._gemms():
-                hidden = self._forward()
-        else:
-            self.graph.replay()
-            hidden = self.hidden
-        if self.pipeline.transfer_backend == "dma" and self.pipeline.prefetch:
-            self.pipeline.transfer_on_host()
-        return hidden
+                return self._forward()
+        self.graph.replay()
+        return self.hidden
 
 
 @contextlib.contextmanager
 def foreground_gemms(carveout: int | None):
     """The step's GEMMs through cuBLASLt leaving `carveout` SMs free for the pipeline's stages
-    (`pipeline.GEMM_SM_CARVEOUT`); torch's settings come back after. None: leave them alone."""
+    (`PipelineTuning.gemm_sm_carveout`); torch's settings come back after. None: leave them alone."""
     if carveout is None or not torch.cuda.is_available():
         yield
         return

@@ -2,11 +2,51 @@
 d_{t+1}, the token whose query predicts the blocks step t+1 needs; its K/V is never stored."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-# Drafters that send a draft token through the model alongside the real one.
-USES_DRAFT_TOKEN = {"self", "ngram", "oracle"}
 LOOKUP_MAX_N, LOOKUP_WINDOW = 3, 4096  # prompt lookup: n-grams up to 3 tokens, in the newest 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Drafter:
+    """What the engine needs to know of a drafter (`--drafter NAME`); it reads only these."""
+    name: str
+    # A draft row carries d_{t+1} through the model beside the real token (else the current
+    # token's own query predicts, and the second row repeats the token).
+    sends_draft_token: bool
+    # Decodes through the batched pipeline (else the in-line path only).
+    runs_on_pipeline: bool = True
+    # A first pass of each step finds the draft (the oracle: the true next token), a second
+    # pass decodes with it.
+    first_pass: bool = False
+    # Blocks are retrieved with the current token's query before each layer's attention, on the
+    # critical path, instead of predicted a step ahead.
+    retrieves_on_demand: bool = False
+    runs_with_tensor_parallel: bool = True
+
+
+_REGISTRY: dict[str, Drafter] = {}
+
+
+def register(drafter: Drafter) -> None:
+    _REGISTRY[drafter.name] = drafter
+
+
+def drafter_named(name: str) -> Drafter:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def drafter_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+register(Drafter("self", sends_draft_token=True))
+register(Drafter("ngram", sends_draft_token=True))
+register(Drafter("prev", sends_draft_token=False))
 
 
 class TokenHistory:
@@ -60,7 +100,7 @@ def next_draft(drafter: str, tokens: list[int] | TokenHistory, previous_draft: i
         return _proposal_or(tokens, sampled)
     if drafter == "ngram":
         return _proposal_or(tokens, sampled)
-    return None  # prev / ondemand send no draft; oracle sets it by an extra pass
+    return None  # no draft token, or one found another way (a first pass)
 
 
 def _proposal_or(tokens, sampled: int) -> int:

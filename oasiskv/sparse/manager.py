@@ -20,7 +20,7 @@ from oasiskv.sparse.block_scores import score_topk
 from oasiskv.sparse.capped_eviction import EvictionPlan, admission_ranks, capped_eviction
 from oasiskv.sparse.config import MIN_CONTEXT_PER_WORKING_SET, PRESSURE_CONTEXT_PER_WORKING_SET, SparseConfig
 from oasiskv.sparse.fetch_budget import FetchBudget, share_budget
-from oasiskv.sparse.drafters import TokenHistory, next_draft
+from oasiskv.sparse.drafters import TokenHistory, drafter_named, next_draft
 from oasiskv.sparse.host_cache import HostHit, HostPrefixCache
 from oasiskv.sparse.host_pool import HostKVPool
 from oasiskv.sparse.prefill_copies import PrefillHostCopies
@@ -54,6 +54,7 @@ class TransferPlan:
 class SparseManager:
     def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, block_size: int):
         self.cfg = cfg
+        self.drafter = drafter_named(cfg.drafter)
         self.mc = model_config
         self.kv = kv  # [L, num_slots, 2, bs, D]
         self.block_size = block_size
@@ -377,7 +378,7 @@ class SparseManager:
     def predict(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int) -> Prediction:
         """Top-K blocks per KV head for the step that adds token number `cached`.
 
-        query: [Hq, D] post-RoPE (the draft's, or the current token's for `prev`/`ondemand`).
+        query: [Hq, D] post-RoPE (the draft's, or the current token's when no draft token is sent).
         Sinks and window are always resident, so they are left out of the K.
         """
         win = ws.window_start(cached, self.block_size)

@@ -43,60 +43,30 @@ from oasiskv.kernels.copy_items import device_view, fetch_admitted, write_throug
 from oasiskv.kernels.qkv_epilogue import SummaryFold
 from oasiskv.kernels.step_clock import STAMPS, stamp
 from oasiskv.kernels.step_tables import RowState, StepTables, WriteThrough, step_tables
+from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.sparse import device_drafts
 from oasiskv.sparse.block_scores import score_select
 from oasiskv.sparse.capped_eviction import capped_eviction_
 from oasiskv.sparse.config import SparseConfig
-from oasiskv.sparse.drafters import LOOKUP_WINDOW
+from oasiskv.sparse.drafters import LOOKUP_WINDOW, drafter_named
 from oasiskv.sparse.fetch_budget import FetchBudget, measure_link, share_budget
 from oasiskv.sparse.host_pool import HostExtent, HostKVPool
 from oasiskv.sparse.remote_rows import RemoteRows
 from oasiskv.sparse.summaries import summary_dtype
 from oasiskv.sparse.summary_arena import SummaryArena
+from oasiskv.sparse.tuning import PipelineTuning
+from oasiskv.sparse.working_set import WorkingSet
 
-TRANSFER_BACKENDS = ("uva", "dma")
-# The settings below were each chosen by side-by-side step timings (docs/benchmarks.md, "Where the 16K step goes").
-# Decode-kernel splits per (request, kv head) over a working set: S + K + W blocks is short, so
-# one program each and no merge launch. The in-line path uses it too for all-working-set batches.
-WORKING_SET_SPLITS = 1
 # From this many blocks (16K tokens) a layer's bounds scan is long enough that its stages fork
 # after o_proj (`stages_fork`); shorter requests keep the attention fork.
 LONG_SCAN_BLOCKS = 1024
 # The bounds kernel (the prediction's scan of the summaries): 64 blocks a tile, 3 load stages,
 # and about 3 programs per (request, kv head) whatever the context.
 BOUNDS_TILE, BOUNDS_STAGES, BOUNDS_PROGRAMS_PER_HEAD = 64, 3, 3
-# The step's GEMMs through cuBLASLt leave this many SMs to the stages (torch's SM carve-out; the
-# captured graph keeps the kernels chosen), so the transfer programs do not push GEMM CTAs into a
-# second wave.
-GEMM_SM_CARVEOUT = 8
-# The transfer kernel's grid: 4 programs of 16 items in flight and 32 warps. Each takes a whole
-# SM's register file (64 registers x 1,024 threads), so no attention program shares an SM with it.
-TRANSFER_PROGRAMS, TRANSFER_ITEMS, TRANSFER_WARPS = 4, 16, 32
-# The working-set attention's software-pipeline stages: 5 keeps two K/V tiles in flight (~137 KB
-# of shared memory a program at head_dim 128 in bf16, so only where an SM offers ~200 KB: Hopper).
+# The working-set attention's software-pipeline stages where an SM offers ~200 KB of shared
+# memory (Hopper): 5 keeps two K/V tiles in flight (~137 KB a program at head_dim 128 in bf16).
 WORKING_SET_STAGES, WORKING_SET_STAGES_SMEM = 5, 200 * 1024
-DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step (see `begin_step`)
-SCAN_BUCKET_BLOCKS = 512  # the narrowest prediction scan of a captured step (8K tokens at block 16)
-# With splits, merge them in the last split program instead of a merge launch: no gain measured,
-# so off.
-ATTENTION_FUSED_MERGE = False
-# The transfer kernel's loads: 0 = the SM's load units, N > 0 = TMA box loads N deep
-# (`copy_items._fetch_tma`). TMA tops out below the load units' rate from pinned host memory, so off.
-TRANSFER_TMA_STAGES = 0
-# The transfer stream's priority (torch's scale: lower is higher). The fetch's chain bounds the
-# step at 16K; a higher priority lets its programs take SMs first as they free up.
-TRANSFER_PRIORITY = -1
-# The foreground's priority inside the captured step (None: the capture stream's default, low):
-# higher lets its kernels take SMs before the prediction's and selection's programs.
-FOREGROUND_PRIORITY = None
-# Where in layer l the foreground hands its stages to the predict stream: after the attention,
-# after the o_proj GEMM (its CTAs are placed first and the scan fills the SMs around them: pays
-# once the scan is long), after the MLP, or before the attention ("epilogue": the draft query and
-# the summaries are ready then; prediction and selection may run beside the attention, whose
-# last wave leaves SMs idle, and the transfer still waits for it, as it overwrites slots the
-# attention reads). None: by the context (`stages_fork`); or one of STAGE_FORKS.
-STAGE_FORKS = ("attention", "o_proj", "mlp", "epilogue")
-STAGES_FORK = None
+DEFERRED_LAYERS = 2  # layers whose transfer crosses into the next step on side streams (`begin_step`)
 
 
 def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS_STAGES) -> tuple[int, int, int]:
@@ -106,28 +76,31 @@ def bounds_tiling(max_blocks: int, tile: int = BOUNDS_TILE, stages: int = BOUNDS
     return tile, max(1, -(-tiles // BOUNDS_PROGRAMS_PER_HEAD)), stages
 
 
-def scan_buckets(max_blocks: int) -> list[int]:
-    """The widths a captured step's prediction may scan: SCAN_BUCKET_BLOCKS, doubling, then
-    `max_blocks`. A step is built per width, and runs with the narrowest that holds its longest
-    request, so the scan's cost follows the batch's contexts rather than the model's length."""
-    widths, b = [], SCAN_BUCKET_BLOCKS
+def scan_buckets(max_blocks: int, first: int) -> list[int]:
+    """The widths a captured step's prediction may scan: `first` (`PipelineTuning.scan_bucket_blocks`),
+    doubling, then `max_blocks`. A step is built per width, and runs with the narrowest that holds
+    its longest request, so the scan's cost follows the batch's contexts rather than the model's length."""
+    widths, b = [], first
     while b < max_blocks:
         widths.append(b)
         b *= 2
     return widths + [max_blocks]
 
 
-def stages_fork(max_blocks: int) -> str:
+def stages_fork(max_blocks: int, tuning: PipelineTuning) -> str:
     """The part of each layer after which a pipelined step's stages start, for requests of up
-    to `max_blocks` blocks (the width of the bounds scan)."""
-    if STAGES_FORK is not None:
-        return STAGES_FORK
+    to `max_blocks` blocks (the width of the bounds scan): the tuning's, or by the width."""
+    if tuning.stages_fork is not None:
+        return tuning.stages_fork
     return "o_proj" if max_blocks >= LONG_SCAN_BLOCKS else "attention"
 
 
-def working_set_stages(device: torch.device, dtype: torch.dtype, head_dim: int) -> int | None:
-    """WORKING_SET_STAGES where the device's SMs have the shared memory for them at this KV
-    dtype and head size, else None (the decode kernel's default)."""
+def working_set_stages(device: torch.device, dtype: torch.dtype, head_dim: int,
+                       tuning: PipelineTuning) -> int | None:
+    """The tuning's stages, or WORKING_SET_STAGES where the device's SMs have the shared memory
+    for them at this KV dtype and head size, else None (the decode kernel's default)."""
+    if tuning.attention_stages is not None:
+        return tuning.attention_stages
     if device.type != "cuda":
         return None
     smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
@@ -137,42 +110,27 @@ def working_set_stages(device: torch.device, dtype: torch.dtype, head_dim: int) 
 
 class LookaheadPipeline:
     def __init__(self, cfg: SparseConfig, model_config, kv: torch.Tensor, host: HostKVPool,
-                 max_rows: int, max_blocks: int, block_size: int, *,
-                 background: bool | None = None, transfer_programs: int = TRANSFER_PROGRAMS,
-                 transfer_backend: str = "uva", transfer_priority: int = TRANSFER_PRIORITY,
+                 max_rows: int, max_blocks: int, block_size: int, tuning: PipelineTuning = PipelineTuning(), *,
                  remote: RemoteRows | None = None):
         """kv: [L, num_slots, 2, block_size, D], the engine's page pool; max_blocks: blocks of
-        the longest request (the width of the score buffer, fixed per graph); background: run the stages on side streams (default: on CUDA); transfer_priority: the
-        transfer stream's (TRANSFER_PRIORITY); remote: a decode instance's mapped rows."""
+        the longest request (the width of the score buffer, fixed per graph); tuning: grids,
+        stages and streams (`sparse.tuning`); remote: a decode instance's mapped rows."""
         mc = model_config
-        self.cfg, self.kv, self.host, self.bs = cfg, kv, host, block_size
+        self.cfg, self.kv, self.host, self.bs, self.tuning = cfg, kv, host, block_size, tuning
         self.L, self.H, self.D, self.G = mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.group_size
         self.S, self.K, self.W = cfg.sink_blocks, cfg.top_k_blocks, cfg.window_blocks
         self.P, self.C, self.R = cfg.working_set_blocks, cfg.fetch_cap, max_rows
         self.B = max_rows  # rows a step runs over: the first B (a graph bucket); set per step
-        self.owners: list = []  # the WorkingSet in each used row; used rows are 0 .. len-1
+        self.owners: list[WorkingSet] = []  # the WorkingSet in each used row; used rows are 0 .. len-1
         self.max_blocks = max_blocks
         self.scan_blocks = max_blocks  # blocks the prediction scans per request (`set_scan`)
-        self.drafted = cfg.drafter != "prev"  # prev: the current token's query predicts
-        self.transfer_programs = transfer_programs
-        self.transfer_items = TRANSFER_ITEMS  # items each transfer program has in flight
-        self.transfer_warps = TRANSFER_WARPS  # warps of each transfer program
-        self.transfer_tma_stages = TRANSFER_TMA_STAGES  # > 0: the transfer loads through TMA
-        if transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"unknown transfer backend {transfer_backend!r}; choose {' or '.join(TRANSFER_BACKENDS)}")
-        self.transfer_backend = transfer_backend
-        if remote is not None and transfer_backend != "uva":
-            raise ValueError("disaggregated rows move through the uva transfer backend only")
+        self.drafted = drafter_named(cfg.drafter).sends_draft_token  # else the current token's query predicts
         self.remote = remote
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
-        self.attention_splits = WORKING_SET_SPLITS  # None: the kernel's choice
-        self.attention_fused_merge = ATTENTION_FUSED_MERGE  # its last split program merges (no merge launch)
-        self.gemm_sm_carveout = GEMM_SM_CARVEOUT  # None: torch's BLAS settings as they are
-        self.stages_fork = stages_fork(max_blocks)  # the part of a layer after which its stages start
-        self.staging = None  # backend "dma": pinned host buffer the CPU gathers into
+        self.stages_fork = stages_fork(max_blocks, tuning)  # the part of a layer after which its stages start
         dev = self.device = kv.device
         # The decode kernel's pipeline stages; None: its default.
-        self.attention_stages = working_set_stages(dev, kv.dtype, self.D)
+        self.attention_stages = working_set_stages(dev, kv.dtype, self.D, tuning)
         L, R, H, K = self.L, self.R, self.H, self.K
         i32 = dict(dtype=torch.int32, device=dev)
         self.pages = torch.zeros(R, self.P, **i32)
@@ -217,23 +175,22 @@ class LookaheadPipeline:
         self.step_totals = torch.zeros(4, dtype=torch.long, device=dev)
         self.eviction_marks = eviction_marks(R * H, max_blocks, dev)  # the select's scratch, every layer's
         self.host_items = device_view(host.items, dev) if dev.type == "cuda" else host.items
-        self.background = dev.type == "cuda" if background is None else background
-        self.transfer_priority = transfer_priority
-        self.foreground_priority = FOREGROUND_PRIORITY
+        self.background = dev.type == "cuda" if tuning.background is None else tuning.background
         if self.background:  # predict, select, transfer (graph nodes keep their stream's priority)
             self.streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev),
-                            torch.cuda.Stream(dev, priority=transfer_priority)]
+                            torch.cuda.Stream(dev, priority=tuning.transfer_priority)]
         self.timing = None  # PipelineTiming when step timing is on
         if self.budget.setting == "auto" and dev.type == "cuda":
             self.budget.link_bytes_per_s = self.measure_link()
         self.set_budget()
-        self.prefetch = True  # False: summaries only, no stages (the foreground's own cost, for benchmarks)
-        self.stages = 3  # < 3: only the first stages run (predict; predict + select): benchmarks only
+        self.stages = tuning.stages  # < 3: only the first stages run: benchmarks only
+        self.prefetch = self.stages > 0  # False: summaries only (the foreground's own cost)
         # The last `deferred_layers` layers' transfers start the next step instead of ending this
         # one, and that step's layer l waits for its own (an event): the step's end then waits
-        # only on the transfers that had the step's slack (docs/design.md, the sparse decode step). UVA backend only; by
-        # default on side streams only (in order, on CPU, nothing waits: tests may set it there).
-        self.deferred_layers = DEFERRED_LAYERS if self.background and transfer_backend == "uva" else 0
+        # only on the transfers that had the step's slack (docs/design.md, the sparse decode step).
+        # By default on side streams only (in order, on CPU, nothing waits: tests may set it there).
+        deferred = tuning.deferred_layers
+        self.deferred_layers = min(L, (DEFERRED_LAYERS if self.background else 0) if deferred is None else deferred)
         self.deferred_done = [torch.cuda.Event() for _ in range(L)] if self.background else []
         # The last step's write-through, kept by the step tables for the step after (deferred).
         self.last_write = WriteThrough(torch.zeros(R, dtype=torch.bool, device=dev),
@@ -261,12 +218,17 @@ class LookaheadPipeline:
         owners = [self] + ([self.remote] if self.remote is not None else [])
         return sum(walk(v) for o in owners for v in vars(o).values())
 
+    @property
+    def scan_widths(self) -> list[int]:
+        """The prediction widths a step is built for (`scan_buckets`)."""
+        return scan_buckets(self.max_blocks, self.tuning.scan_bucket_blocks)
+
     def set_scan(self, blocks: int) -> None:
         """The steps built from now on scan `blocks` blocks per request (every request of the
         step must have at most that many); the bounds kernel's tiling and the fork follow."""
         self.scan_blocks = blocks
         self.bounds_tiling = bounds_tiling(blocks)
-        self.stages_fork = stages_fork(blocks)
+        self.stages_fork = stages_fork(blocks, self.tuning)
 
     # ---- the transfer budget ---------------------------------------------------------
     def set_budget(self) -> None:
@@ -287,9 +249,9 @@ class LookaheadPipeline:
         blocks = torch.arange(C, device=dev, dtype=torch.int32).expand(rows * H, C).contiguous()
         start = torch.arange(rows, device=dev) * (C * H)
         nblk = torch.full((rows,), C, dtype=torch.long, device=dev)
+        t = self.tuning
         fetch = lambda: fetch_admitted(self.host_items, scratch, 0, blocks, blocks, pages, start, nblk, H, S,  # noqa: E731
-                                       self.transfer_programs, self.transfer_items, self.transfer_warps,
-                                       self.transfer_tma_stages)
+                                       t.transfer_programs, t.transfer_items, t.transfer_warps)
         return measure_link(fetch, rows * H * C * self.item_bytes)
 
     def read_step(self, values: list[int]) -> dict:
@@ -338,7 +300,7 @@ class LookaheadPipeline:
     def num_rows(self) -> int:
         return len(self.owners)
 
-    def adopt(self, ws, cached: int, remote_slot: int = -1) -> None:
+    def adopt(self, ws: WorkingSet, cached: int, remote_slot: int = -1) -> None:
         """Take a just-converted request (its WorkingSet as `SparseManager.convert` built it) into
         the next free row: its working set and LRU stamps move to the batched state; its
         summaries are in the page pool already (`SparseManager.place_summaries`). A
@@ -364,7 +326,7 @@ class LookaheadPipeline:
         ws.row = row
         self.owners.append(ws)
 
-    def release(self, ws) -> list[int]:
+    def release(self, ws: WorkingSet) -> list[int]:
         """Free the request's row; the last used row moves into it, so used rows stay a prefix.
         Returns the row's counters (hits, missed, admitted, evicted) summed over heads (a sync:
         after it no kernel reads or writes the row's items, so a disaggregated row's may go)."""
@@ -462,22 +424,22 @@ class LookaheadPipeline:
     def flush_deferred(self) -> None:
         """Land the deferred transfers now and drop their plans (rows are about to change): the
         next step's `begin_step` then moves nothing for them."""
-        if not self.deferred_layers:
+        deferred = self.deferred_range()
+        if not deferred:
             return
-        first = self.L - self.deferred_layers
-        for layer in range(first, self.L):
+        for layer in deferred:
             self.transfer(layer)
-        self.admit_blocks[first:] = -1
+        self.admit_blocks[deferred.start:] = -1
         if self.defers_write_through:  # the last step's, which the next step would have done
             self.write_through()
             self.completes.fill_(False)
 
-    def before_attention(self, layer: int, q, k, meta) -> None:
+    def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         if self.background and layer in self.deferred_range():
             torch.cuda.current_stream(self.device).wait_event(self.deferred_done[layer])
         self.fork_point(layer, "epilogue")
 
-    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta) -> None:
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         """The layer's epilogue has folded its keys and copied the draft queries out
         (`summary_fold`): the stages can start (in order here when they run in-line)."""
         if not self.prefetch:
@@ -579,55 +541,25 @@ class LookaheadPipeline:
         capped_eviction_(*args, **kw, row_cap=row_cap, totals=self.step_totals)
 
     def transfer(self, layer: int) -> None:
-        """Admitted items host -> their GPU slots (addresses computed in the copy kernel). With
-        the "dma" backend the admissions wait in the plan for `transfer_on_host` instead."""
-        if self.transfer_backend == "dma":
-            return
-        B, H = self.B, self.H
+        """Admitted items host -> their GPU slots (addresses computed in the copy kernel)."""
+        B, H, t = self.B, self.H, self.tuning
         fetch_admitted(self.host_items, self.kv[layer], layer, self.admit_blocks[layer, :B * H],
                        self.admit_slots[layer, :B * H], self.pages[:B], self.extent_start[:B],
-                       self.extent_blocks[:B], H, self.S, self.transfer_programs, self.transfer_items,
-                       self.transfer_warps, self.transfer_tma_stages)
+                       self.extent_blocks[:B], H, self.S, t.transfer_programs, t.transfer_items, t.transfer_warps)
         if self.remote is not None:
             self.remote.fetch(self.kv[layer], layer, self.admit_blocks[layer, :B * H],
-                              self.admit_slots[layer, :B * H], self.pages[:B], self.S, self.transfer_programs,
-                              self.transfer_items, self.transfer_warps)
+                              self.admit_slots[layer, :B * H], self.pages[:B], self.S, t.transfer_programs,
+                              t.transfer_items, t.transfer_warps)
 
     def write_through(self, wt: WriteThrough | None = None) -> None:
         """The blocks a step completed (this step's, or `wt`: the last step's), GPU -> host."""
         B = self.B
         completes, window_slot, block = wt if wt is not None else (self.completes, self.window_slot, self.block)
         write_through(self.kv, self.host_items, completes[:B], window_slot[:B], self.extent_start[:B],
-                      self.extent_blocks[:B], block[:B], self.H, self.transfer_programs)
+                      self.extent_blocks[:B], block[:B], self.H, self.tuning.transfer_programs)
         if self.remote is not None:
-            self.remote.write_through(self.kv, completes[:B], window_slot[:B], block[:B], self.transfer_programs)
-
-    def transfer_on_host(self) -> None:
-        """Backend "dma" (CPU gather into pinned staging, then one copy on the copy
-        engine, which takes no SMs): after the step, CPU threads gather every layer's admitted
-        items into pinned staging, one DMA copy brings them over, one scatter puts them in their
-        slots, all before the next step. It reads the plan on the host, so it cannot live in the
-        captured step: the transfer is on the critical path, between steps."""
-        B, H, C, L = self.B, self.H, self.C, self.L
-        blocks = self.admit_blocks[:, :B * H].cpu()  # [L, B*H, C]; the sync that ends the step
-        slots = self.admit_slots[:, :B * H].cpu()
-        layer, row, col = (blocks >= 0).nonzero(as_tuple=True)
-        n = layer.numel()
-        if not n:
-            return
-        r, h = row // H, row % H
-        start, nblk, pages = self.extent_start[:B].cpu(), self.extent_blocks[:B].cpu(), self.pages[:B].cpu().long()
-        src = start[r] + (layer * nblk[r] + blocks[layer, row, col].long()) * H + h
-        num_slots = self.kv.shape[1]
-        dst = layer * num_slots + pages[r, self.S + slots[layer, row, col].long()] * H + h
-        if self.staging is None or self.staging.shape[0] < n:
-            from oasiskv.sparse.host_pool import pinned_empty
-            shape = (max(n, L * B * H * C), *self.host.items.shape[1:])
-            pin = self.device.type == "cuda"
-            self.staging = pinned_empty(shape, self.kv.dtype) if pin else torch.empty(shape, dtype=self.kv.dtype)
-        torch.index_select(self.host.items, 0, src, out=self.staging[:n])
-        items = self.staging[:n].to(self.device, non_blocking=True)
-        self.kv.view(-1, *self.kv.shape[2:])[dst.to(self.device)] = items
+            self.remote.write_through(self.kv, completes[:B], window_slot[:B], block[:B],
+                                      self.tuning.transfer_programs)
 
     @property
     def fetched_bytes(self) -> int:

@@ -1,11 +1,14 @@
-"""What a decode step asks of the sparse manager inside each layer, around attention."""
+"""What a decode step of the in-line path asks of the sparse manager inside each layer, around
+attention: the `AttentionHooks` the batched `LookaheadPipeline` also implements."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from oasiskv.sparse.drafters import USES_DRAFT_TOKEN
+from oasiskv.kernels.qkv_epilogue import SummaryFold
+from oasiskv.layers.attention import AttentionMetadata
+from oasiskv.sparse.drafters import Drafter
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.working_set import WorkingSet
 
@@ -22,15 +25,15 @@ class SparseStepHooks:
     manager: SparseManager
     rows: list[SparseRow]
     query_len: int
-    drafter: str
-    prefetch: bool = True  # off for the oracle's first pass
+    drafter: Drafter
+    prefetch: bool = True  # off for a first pass (`Drafter.first_pass`)
     record_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # token row -> [L, Hq, D]
 
-    def summary_fold(self, layer: int) -> None:
+    def summary_fold(self, layer: int) -> SummaryFold | None:
         return None  # the in-line path folds per request, after attention
 
-    def before_attention(self, layer: int, q, k, meta) -> None:
-        if self.drafter != "ondemand" or not self.prefetch:
+    def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
+        if not (self.drafter.retrieves_on_demand and self.prefetch):
             return
         # Quest/ArkVale-style retrieval: this token's own query, fetched on the critical path.
         m = self.manager
@@ -41,17 +44,17 @@ class SparseStepHooks:
             meta.slot_tables[layer, r.batch_index, :, :n] = slots[0].to(meta.slot_tables.device)
             meta.cache_lens[layer, r.batch_index] = lens[0].to(meta.cache_lens.device)
 
-    def after_attention(self, layer: int, q, k, meta) -> None:
+    def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         for row, buf in self.record_rows.items():
             buf[layer] = q[row]
         m, Q = self.manager, self.query_len
         for r in self.rows:
             m.update_summaries(r.ws, layer, k[r.batch_index * Q], r.cached)
-        if self.prefetch and self.drafter != "ondemand":
-            # The lookahead query predicts step t+1's blocks; `prev` uses the current token's.
-            draft = 1 if self.drafter in USES_DRAFT_TOKEN else 0
+        if self.prefetch and not self.drafter.retrieves_on_demand:
+            # The lookahead query predicts step t+1's blocks; without a draft token, the current token's.
+            draft = 1 if self.drafter.sends_draft_token else 0
             m.prefetch_layer([(r.ws, q[r.batch_index * Q + draft], r.cached + 1) for r in self.rows], layer)
-        if self.prefetch:  # not the oracle's first pass: that one only finds the true token
+        if self.prefetch:  # not a first pass: that one only finds the draft
             for observe in m.observers:
                 observe(layer, q, self)
 

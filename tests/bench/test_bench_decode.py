@@ -73,33 +73,31 @@ def test_bench_decode_stage_ablation_and_tuning_flags(tmp_path):
     """--stage-ablation adds a predict-only and a predict + select run; the first admits
     nothing, and neither counts in the speedups. The transfer and bounds-kernel knobs are
     recorded per run; --summary-dtypes runs sparse once per summary dtype (fp8: a quarter of
-    float32's summary bytes). --attention-splits, --attention-stages, --attention-merges,
-    --stage-forks, --transfer-tma-stages and --transfer-priorities are recorded (CPU attention
-    has none of them; CPU stages run in-line, and the CPU transfer is torch indexing)."""
+    float32's summary bytes). --attention-splits, --attention-stages, --stage-forks and
+    --transfer-priorities are recorded (CPU attention has none of them; CPU stages run in-line,
+    and the CPU transfer is torch indexing)."""
     res = run_bench(tmp_path, "--sweep", "--batch-sizes", "2", "--context-lens", "600", "--stage-ablation",
-                    "--transfer-programs", "4:2:4", "--bounds-tiling", "32:2:2", "--summary-dtypes", "auto,fp8",
-                    "--attention-splits", "1", "--attention-stages", "5", "--attention-merges", "fused",
-                    "--stage-forks", "o_proj", "--transfer-tma-stages", "6", "--transfer-priorities", "high")
+                    "--transfer-programs", "4:2:4", "--summary-dtypes", "auto,fp8",
+                    "--attention-splits", "1", "--attention-stages", "5",
+                    "--stage-forks", "o_proj", "--transfer-priorities", "high")
     dense, sparse, fp8, predict, select = res["runs"]
     assert (sparse["summary_dtype"], fp8["summary_dtype"]) == ("auto", "fp8")
     assert fp8["summary_bytes_per_step"] * 4 == sparse["summary_bytes_per_step"] and fp8["admitted_per_step"] > 0
     assert [r.get("pipeline_stages") for r in (sparse, predict, select)] == [3, 1, 2]
     assert sparse["admitted_per_step"] > 0 and predict["admitted_per_step"] == 0
     assert predict["fetched_bytes_per_step"] == 0
-    knobs = ("transfer_programs", "transfer_items", "transfer_warps", "bounds_tiling", "attention_splits",
-             "attention_stages", "attention_merge", "stages_fork", "transfer_tma_stages", "transfer_priority")
-    assert [sparse[k] for k in knobs] == [4, 2, 4, "32:2:2", 1, 5, "fused", "o_proj", 6, "high"]
+    knobs = ("transfer_programs", "transfer_items", "transfer_warps", "attention_splits",
+             "attention_stages", "stages_fork", "transfer_priority")
+    assert [sparse[k] for k in knobs] == [4, 2, 4, 1, 5, "o_proj", "high"]
     best = max(sparse["output_tok_s"], fp8["output_tok_s"])
     assert [s["speedup"] for s in res["speedups"]] == [best / dense["output_tok_s"]]
 
 
 @pytest.mark.parametrize("flag,value", [("--transfer-programs", "6:12:24"), ("--transfer-programs", "8:x"),
-                                        ("--bounds-tiling", "64:8"), ("--bounds-tiling", "8:8:3"),
-                                        ("--bounds-tiling", "64:auto:x"),
                                         ("--deferred-layers", "2,-1"), ("--attention-splits", "-2"),
                                         ("--gemm-sm-carveouts", "8,-8"), ("--attention-stages", "0"),
-                                        ("--attention-merges", "atomic"), ("--stage-forks", "attention,qkv"),
-                                        ("--transfer-tma-stages", "6,-1"), ("--transfer-priorities", "normal,urgent")])
+                                        ("--stage-forks", "attention,qkv"),
+                                        ("--transfer-priorities", "normal,urgent")])
 def test_bench_decode_rejects_bad_knobs_before_loading(tmp_path, flag, value):
     """A malformed tuning value is a clear error at once (24 warps once failed a GPU run after
     the model had loaded)."""
@@ -119,33 +117,21 @@ def test_bounds_tiling_gives_about_three_programs_per_head(blocks):
     assert programs == min(BOUNDS_PROGRAMS_PER_HEAD, tiles)
 
 
-def test_bench_decode_bounds_tiling_auto_tiles_follow_the_context(tmp_path):
-    """TILE:auto:STAGES keeps the tile and stages asked for and takes the tiles per program
-    from the pipeline's rule at each context."""
-    from oasiskv.sparse.pipeline import bounds_tiling
-
-    res = run_bench(tmp_path, "--mode", "sparse", "--sweep", "--batch-sizes", "2", "--context-lens", "600,2000",
-                    "--bounds-tiling", "32:auto:1")
-    # The bench's requests hold a few blocks past the context (room for the timed steps).
-    assert [r["bounds_tiling"] for r in res["runs"]] == ["32:1:1", "32:2:1"]
-    assert bounds_tiling(2000 // 16 + 8, 32, 1) == (32, 2, 1)
-
-
 def test_bench_decode_attention_knobs_reach_the_decode_kernel(tmp_path, monkeypatch):
-    """--attention-splits, --attention-stages and --attention-merges arrive at every sparse
-    step's decode call (on CPU the torch path ignores them; on CUDA they are the Triton kernel's)."""
+    """--attention-splits and --attention-stages arrive at every sparse step's decode call (on
+    CPU the torch path ignores them; on CUDA they are the Triton kernel's)."""
     import oasiskv.layers.attention as attention
 
     seen, real = set(), attention.paged_decode
 
     def spy(*args):
-        seen.add(args[7:10])  # num_splits, num_stages, fused_merge
+        seen.add(args[7:9])  # num_splits, num_stages
         return real(*args)
 
     monkeypatch.setattr(attention, "paged_decode", spy)
     run_bench(tmp_path, "--mode", "sparse", "--context-len", "600", "--batch-size", "2",
-              "--attention-splits", "2", "--attention-stages", "5", "--attention-merges", "fused")
-    assert seen == {(2, 5, True)}
+              "--attention-splits", "2", "--attention-stages", "5")
+    assert seen == {(2, 5)}
 
 
 def test_bench_decode_sparse_out_of_gpu_memory_is_a_row_that_does_not_fit(tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ from oasiskv.disagg.socket_transport import SocketTransport
 from oasiskv.disagg.transport import PendingRead
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
 from oasiskv.sparse.remote_rows import RemoteRows
+from oasiskv.sparse.tuning import PipelineTuning
 from server_client import call, free_port, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -77,10 +78,10 @@ def prefill():
 def decode_engine(pipeline: bool, deferred: int = 0, remote_kv_gb: float = 0.15):
     """A decode engine and its remote reads over the arena its runner made. deferred: the
     pipeline's deferred layers (CPU; on CUDA the captured steps keep the default)."""
-    engine = LLM(sparse_pipeline="on" if pipeline else "off", remote_kv_gb=remote_kv_gb, **CONFIG).engine
+    tuning = PipelineTuning() if torch.cuda.is_available() else PipelineTuning(deferred_layers=deferred)
+    engine = LLM(sparse_pipeline="on" if pipeline else "off", remote_kv_gb=remote_kv_gb, pipeline_tuning=tuning,
+                 **CONFIG).engine
     sparse = engine.runner.sparse
-    if pipeline and not torch.cuda.is_available():
-        engine.runner.pipeline.deferred_layers = deferred
     store = LocalItems.over(engine.runner.remote_items)
     reader = SocketTransport()
     reader.register(store.items)

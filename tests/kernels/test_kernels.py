@@ -110,11 +110,6 @@ DECODE_CASES = {  # id: (B, Hkv, G, Q, D, max_blocks, dtype, kernel options)
     "g4_q2_fp16_split1_tile2": (2, 2, 4, 2, 64, 7, torch.float16, dict(num_splits=1, tile_blocks=2)),
     # several tiles per split, partial tiles at split ends
     "g2_q1_fp16_tile2_split2": (2, 2, 2, 1, 64, 11, torch.float16, dict(num_splits=2, tile_blocks=2)),
-    # the last split program of each (sequence, head) merges, no merge launch; run twice, so
-    # the second call also checks that the arrival counts were set back to 0
-    "g4_q2_fp16_split3_fused": (2, 2, 4, 2, 64, 9, torch.float16, dict(num_splits=3, tile_blocks=2, fused_merge=True)),
-    "g3_q1_fp32_split4_fused_empty_splits": (2, 2, 3, 1, 64, 5, torch.float32,
-                                            dict(num_splits=4, tile_blocks=1, fused_merge=True)),
 }
 
 
@@ -125,12 +120,9 @@ def run_interpreter_cases() -> dict[str, float]:
     for name, (B, Hkv, G, Q, D, max_blocks, dtype, options) in DECODE_CASES.items():
         args = make_decode_inputs(B, Hkv, G, Q, D, max_blocks, dtype, seed=len(name))
         ref = paged_decode_ref(*args, D ** -0.5)
-        err = 0.0
-        for _ in range(2 if options.get("fused_merge") else 1):
-            out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
-            paged_decode_triton(*args, D ** -0.5, out=out, **options)
-            err = max(err, (out.float().nan_to_num(1e4) - ref.float()).abs().max().item())
-        errors["decode_" + name] = err
+        out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
+        paged_decode_triton(*args, D ** -0.5, out=out, **options)
+        errors["decode_" + name] = (out.float().nan_to_num(1e4) - ref.float()).abs().max().item()
     return errors
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.sparse.tuning import PipelineTuning
 
 BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, sink_blocks=1,
               sparse_threshold=256, fetch_ratio=0.25, host_kv_gb=0.25)
@@ -17,21 +18,19 @@ BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, s
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,temperature,deferred,narrow", [("self", 0, 0, False), ("prev", 0, 0, False),
                                                                  ("self", 0.8, 0, False), ("self", 0, 3, True)])
-def test_pipeline_matches_inline_path(drafter, temperature, deferred, narrow, monkeypatch):
+def test_pipeline_matches_inline_path(drafter, temperature, deferred, narrow):
     """deferred: the last layers' transfers and the write-through open the next step (as on
     CUDA, in order here): they wait a step, and land before rows move when a request finishes.
     The host pools end equal too: every block either path completed was written through.
     narrow: the prediction scans the narrowest width that holds the step's requests (widths
     16, 32, 48 blocks here), not the model's length."""
-    if narrow:
-        monkeypatch.setattr("oasiskv.sparse.pipeline.SCAN_BUCKET_BLOCKS", 16)
+    tuning = PipelineTuning(deferred_layers=deferred, scan_bucket_blocks=16 if narrow else 512)
     text = open(argparse.__file__).read()
     runs, pools = {}, {}
     for path in ("off", "on"):
-        llm = LLM(sparse_pipeline=path, drafter=drafter, **BUDGET)
+        llm = LLM(sparse_pipeline=path, drafter=drafter, pipeline_tuning=tuning, **BUDGET)
         if path == "on":
             p = llm.engine.runner.pipeline
-            p.deferred_layers = deferred
             flush, checked = p.flush_deferred, []
 
             def checked_flush():  # rows are about to change: every resident block must be in place
@@ -51,7 +50,7 @@ def test_pipeline_matches_inline_path(drafter, temperature, deferred, narrow, mo
             assert llm.engine.runner.pipeline is not None and llm.engine.runner.pipeline.num_rows == 0
     assert checked and all(checked)
     if narrow:  # the steps ran at widths below the model's 48 blocks
-        assert {scan for _, scan in llm.engine.runner.pipeline_steps} == {32}
+        assert {scan for _, scan in llm.engine.runner.sparse_runner.pipeline_steps} == {32}
     assert torch.equal(pools["on"], pools["off"])
     for ref, got in zip(runs["off"], runs["on"]):
         assert got.token_ids == ref.token_ids
@@ -87,8 +86,8 @@ def test_async_pipeline_steps_match_sync(temperature, deferred):
     text = open(argparse.__file__).read()
     runs = {}
     for mode in ("off", "on"):
-        llm = LLM(sparse_pipeline="on", async_scheduling=mode, **BUDGET)
-        llm.engine.runner.pipeline.deferred_layers = deferred
+        llm = LLM(sparse_pipeline="on", async_scheduling=mode, pipeline_tuning=PipelineTuning(deferred_layers=deferred),
+                  **BUDGET)
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[:400], ids[3000:3330], ids[9000:9300]]
         params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
@@ -136,60 +135,13 @@ def test_async_pipeline_stop_token_and_abort_in_flight():
     assert outs["on"] == outs["off"]
 
 
-def test_dma_backend_moves_what_the_kernel_moves():
-    """Transfer backends: the CPU gather + one DMA copy ("dma", between steps) leaves the GPU pool
-    as the in-step copy ("uva") does, for the same selections."""
-    import torch
-
-    from oasiskv.models.config import PRESETS
-    from oasiskv.sparse.config import SparseConfig
-    from oasiskv.sparse.host_pool import HostKVPool
-    from oasiskv.sparse.pipeline import LookaheadPipeline
-
-    mc = PRESETS["smollm2-135m"]
-    L, H, D, bs, nb, R = mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, 40, 3
-    cfg = SparseConfig(enabled=True, top_k_blocks=8, window_blocks=2, sink_blocks=1, fetch_ratio=0.5,
-                       sparse_threshold=256, host_kv_gb=0.1)
-    gen = torch.Generator().manual_seed(3)
-    host = HostKVPool(0, bs, D, torch.float32, pin=False, num_items=R * L * nb * H)
-    host.items.copy_(torch.randn(host.items.shape, generator=gen))
-    kv0 = torch.randn(L, 64 * H, 2, bs, D, generator=gen)
-    predicted = torch.stack([torch.randperm(30, generator=gen)[:8] + 1 for _ in range(L * R * H)])
-    pools = {}
-    for backend in ("uva", "dma"):
-        kv = kv0.clone()
-        p = LookaheadPipeline(cfg, mc, kv, host, max_rows=R, max_blocks=nb,
-                              block_size=bs, transfer_backend=backend)
-        for r in range(R):
-            ext = host.allocate(f"{backend}{r}", L, nb, H)
-            p.bind(r, list(range(r * cfg.working_set_blocks, (r + 1) * cfg.working_set_blocks)), ext,
-                   p.arena.offset(R * cfg.working_set_blocks) + r * nb)
-        p.resident[:] = torch.arange(1, 9, dtype=torch.int32)
-        p.last.zero_()
-        p.cached[:R] = 35 * bs
-        p.active[:R] = True
-        p.step_tables(mc.max_position_embeddings)
-        p.predicted[:] = predicted.view(L, R * H, 8).int()
-        for layer in range(L):
-            p.select(layer)
-            p.transfer(layer)
-        if backend == "dma":
-            p.transfer_on_host()
-        pools[backend] = (kv, p.resident.clone(), int(p.stats[:, 2].sum()))
-        for r in range(R):
-            host.free(f"{backend}{r}")
-    assert pools["uva"][2] > 0
-    assert torch.equal(pools["uva"][1], pools["dma"][1])
-    assert torch.equal(pools["uva"][0], pools["dma"][0])
-    assert not torch.equal(pools["uva"][0], kv0)
-
-
 @pytest.mark.slow
 def test_every_layer_offers_its_fork_points_in_order(monkeypatch):
     """Each layer of a sparse step offers the pipeline the points its stages may start from,
-    epilogue, attention, o_proj, mlp, in order (`pipeline.STAGES_FORK` picks one on CUDA streams;
+    epilogue, attention, o_proj, mlp, in order (`PipelineTuning.stages_fork` picks one on CUDA streams;
     on CPU the stages run in-line at the attention, so the tokens cannot depend on it)."""
-    from oasiskv.sparse.pipeline import STAGE_FORKS, LookaheadPipeline
+    from oasiskv.sparse.pipeline import LookaheadPipeline
+    from oasiskv.sparse.tuning import STAGE_FORKS
 
     seen, real = [], LookaheadPipeline.fork_point
 

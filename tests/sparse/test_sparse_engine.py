@@ -48,15 +48,15 @@ def test_sampled_full_budget_equals_dense_and_the_draft_holds(dense, prompt, mon
     the chain holds: once a draft is right, every later one is. (The chain starts from prompt
     lookup, so when it first holds depends on the text; with a fresh draw for the draft, later
     drafts missed about two times in three.)"""
-    from oasiskv.engine.sparse_decode import SparseDecodeMixin
+    from oasiskv.engine.sparse_runner import SparseRunner
 
     hits = []
-    count_step = SparseDecodeMixin._count_step
+    count_step = SparseRunner._count_step
 
     def recording(ws, drafter, tok):
         hits.append(ws.draft == tok)
         count_step(ws, drafter, tok)
-    monkeypatch.setattr(SparseDecodeMixin, "_count_step", staticmethod(recording))
+    monkeypatch.setattr(SparseRunner, "_count_step", staticmethod(recording))
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=33, ignore_eos=True)
     want = dense.generate(prompt, params)[0].token_ids
     llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=80, sparse_threshold=1024, host_kv_gb=0.5)

@@ -1,11 +1,11 @@
 """The sparse half of the model runner: decode steps of batches that hold sparse requests.
 
-Two paths (docs/design.md): the batched lookahead pipeline (`run_with_pipeline`: GPU-resident state
-of every sparse request, one captured step) and the in-line per-request path
-(`run_sparse_decode`: the reference on CPU, and the oracle and on-demand drafters). Both run
-two query rows per request, the token and its lookahead draft, and pick the next draft the same
-way (`_sample_with_lookahead`). `ModelRunner` mixes this in; it owns the model, the KV cache,
-the `SparseManager` and the pipeline that these methods use.
+Two paths (docs/design.md): the batched lookahead pipeline (`launch_pipeline_decode`:
+GPU-resident state of every sparse request, one captured step) and the in-line per-request path
+(`run_sparse_decode`: the reference on CPU, and the drafters that do not run on the pipeline).
+Both run two query rows per request, the token and its lookahead draft, and pick the next draft
+the same way (`_lookahead_samples`). `ModelRunner` holds one `SparseRunner` when sparse decode
+is on and hands it the batches that need it.
 """
 from __future__ import annotations
 
@@ -17,31 +17,55 @@ import torch
 from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample_requests, to_host
 from oasiskv.engine.sequence import Sequence
 from oasiskv.layers.attention import AttentionMetadata
+from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.sparse.decode_step import SparseDecodeStep
-from oasiskv.sparse.pipeline import WORKING_SET_SPLITS, scan_buckets
-from oasiskv.sparse.drafters import USES_DRAFT_TOKEN, next_draft
+from oasiskv.sparse.drafters import Drafter, next_draft
+from oasiskv.sparse.manager import SparseManager
+from oasiskv.sparse.pipeline import LookaheadPipeline
 from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
 log = logging.getLogger(__name__)
 
 
-class SparseDecodeMixin:
-    def _query_buffer(self, seq: Sequence) -> torch.Tensor:
+class SparseRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], manager: SparseManager,
+                 pipeline: LookaheadPipeline | None, graph_buckets: list[int], use_graph: bool,
+                 attention_splits: int | None):
+        """manager: the requests' sparse state and the in-line stages; pipeline: the batched one,
+        if sparse requests decode through it; graph_buckets: the batch sizes a captured step is
+        built for; use_graph: pipeline steps replay CUDA graphs; attention_splits: the decode
+        kernel's splits over a batch of working sets alone (`PipelineTuning.attention_splits`)."""
+        self.model, self.kv_caches, self.manager, self.pipeline = model, kv_caches, manager, pipeline
+        self.model_config = manager.mc  # the rank's shard above tensor-parallel size 1
+        self.device, self.dtype = manager.device, manager.dtype
+        self.block_size, self.num_kv_heads = manager.block_size, manager.Hkv
+        self.graph_buckets, self.use_graph, self.attention_splits = graph_buckets, use_graph, attention_splits
+        self.pipeline_steps: dict[tuple[int, int], SparseDecodeStep] = {}  # per (batch bucket, scan width)
+        # Requests that convert after this step, with the query their last token recorded in every
+        # layer; the engine takes them after the step (`take_conversions`).
+        self.pending_conversions: list[tuple[Sequence, torch.Tensor]] = []
+
+    def record_query(self, seq: Sequence) -> torch.Tensor:
+        """A buffer [L, Hq, D] the step fills with `seq`'s last query, for its conversion."""
         mc = self.model_config
         buf = torch.empty(mc.num_layers, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
         self.pending_conversions.append((seq, buf))
         return buf
 
+    def take_conversions(self) -> list[tuple[Sequence, torch.Tensor]]:
+        pending, self.pending_conversions = self.pending_conversions, []
+        return pending
+
     def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
         """A batch takes the two-row sparse path only if a request in it is sparse or converts
         after this step; otherwise it is a plain dense step (CUDA graphs, one row each)."""
-        m = self.sparse
-        return m is not None and any(s.sparse is not None or m.should_convert(s, s.num_tokens) for s in seqs)
+        m = self.manager
+        return any(s.sparse is not None or m.should_convert(s, s.num_tokens) for s in seqs)
 
     def prepare_mixed_decode(self, seqs: list[Sequence]):
         """Dense and sparse requests in one batch: two query rows per request (the token and
         its lookahead draft; a dense request's second row is padding), per-layer slot tables."""
-        m, L, H, bs, Q = self.sparse, self.model_config.num_layers, self.num_kv_heads, self.block_size, 2
+        m, L, H, bs, Q = self.manager, self.model_config.num_layers, self.num_kv_heads, self.block_size, 2
         B = len(seqs)
         width = max(m.cfg.working_set_blocks if s.sparse else len(s.pages) for s in seqs)
         slot_tables = torch.zeros(L, B, H, width, dtype=torch.int32)
@@ -62,7 +86,7 @@ class SparseDecodeMixin:
                 slot_tables[:, b, :, :len(s.pages)] = (pt[None, :] * H + heads[:, None]).int()
                 cache_lens[:, b] = n
                 if m.should_convert(s, n + 1):
-                    record[b * Q] = self._query_buffer(s)
+                    record[b * Q] = self.record_query(s)
             else:
                 m.start_token(s.sparse, n)
                 wslots += [m.write_slots(s.sparse, n), [-1] * H]
@@ -75,20 +99,20 @@ class SparseDecodeMixin:
             write_slots=torch.tensor(wslots, dtype=torch.int32, device=dev),
             write_offsets=torch.tensor(woffs, dtype=torch.int32, device=dev),
             slot_tables=slot_tables.to(dev), cache_lens=cache_lens.to(dev), query_len=Q,
-            num_splits=WORKING_SET_SPLITS if width == m.cfg.working_set_blocks else None,
-            hooks=SparseStepHooks(m, rows, Q, m.cfg.drafter, record_rows=record))
+            num_splits=self.attention_splits if width == m.cfg.working_set_blocks else None,
+            hooks=SparseStepHooks(m, rows, Q, m.drafter, record_rows=record))
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
 
     def run_sparse_decode(self, seqs: list[Sequence]) -> list[int]:
         """One decode step of a batch holding sparse requests (eager; in-line prefetch)."""
-        m = self.sparse
+        m = self.manager
         m.step += 1
-        ids, positions, meta = self.prepare_decode(seqs)
+        ids, positions, meta = self.prepare_mixed_decode(seqs)
         if meta.hooks.rows:  # the in-line path's bytes and hits are counted as each layer applies them
             m.count_step({})
         hooks, Q = meta.hooks, meta.query_len
-        if hooks.drafter == "oracle" and hooks.rows:
-            # Evaluation only: a first pass finds the true next token, the second uses it as draft.
+        if hooks.drafter.first_pass and hooks.rows:
+            # A first pass finds the next token, the second uses it as draft.
             hooks.prefetch = False
             hidden = self.model(ids, positions, self.kv_caches, meta)
             tokens = sample_requests(self.model.compute_logits(hidden[::Q]), seqs).tolist()
@@ -97,7 +121,7 @@ class SparseDecodeMixin:
                 r.ws.draft = tokens[r.batch_index]
             hooks.prefetch, hooks.record_rows = True, {}
             self.model(ids, positions, self.kv_caches, meta)
-            guesses = [None] * len(seqs)  # the oracle's draft is set by the first pass
+            guesses = [None] * len(seqs)  # the draft is set by the first pass
         else:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
@@ -106,20 +130,6 @@ class SparseDecodeMixin:
             m.write_through(r.ws, r.cached)
             self._advance(r.ws, hooks.drafter, tokens[r.batch_index], guesses[r.batch_index])
         return tokens
-
-    def run_with_pipeline(self, seqs: list[Sequence]) -> list[int]:
-        """Sparse requests step through the pipeline; dense ones (if any) through the dense path."""
-        sparse = [s for s in seqs if s.sparse is not None]
-        dense = [s for s in seqs if s.sparse is None]
-        tokens = {}
-        if dense:
-            if self.needs_sparse_step(dense):  # one of them converts after this step
-                got = self.run_sparse_decode(dense)
-            else:
-                got = sample_requests(self.model.compute_logits(self.run_decode(dense)), dense).tolist()
-            tokens.update(zip(map(id, dense), got))
-        tokens.update(zip(map(id, sparse), self.run_pipeline_decode(sparse)))
-        return [tokens[id(s)] for s in seqs]
 
     def run_pipeline_decode(self, seqs: list[Sequence]) -> list[int]:
         """One step of the sparse requests through the pipeline, waiting for its tokens."""
@@ -144,14 +154,14 @@ class SparseDecodeMixin:
         next step will have, and a block to spare (no wider than the model's length: a request
         near `max_model_len` has every block it can have)."""
         need = min(max(s.num_tokens for s in seqs) // self.block_size + 3, self.pipeline.max_blocks)
-        return next(b for b in scan_buckets(self.pipeline.max_blocks) if b >= need)
+        return next(b for b in self.pipeline.scan_widths if b >= need)
 
     def capture_pipeline_steps(self) -> None:
         """Every (batch bucket, scan width) sparse step at start-up, as the dense graphs are: the
         first conversion then does not stop the engine for compilation and capture."""
         t0 = time.perf_counter()
-        for bucket in self._graph_buckets():
-            for scan in scan_buckets(self.pipeline.max_blocks):
+        for bucket in self.graph_buckets:
+            for scan in self.pipeline.scan_widths:
                 self.pipeline_step(bucket, scan, use_graph=True)
         log.info("captured the sparse decode step for %d batch sizes x scan widths in %.1f s",
                  len(self.pipeline_steps), time.perf_counter() - t0)
@@ -164,12 +174,11 @@ class SparseDecodeMixin:
         (token, next draft) on the device, their pinned host copy and the copy's event (None
         on CPU), as `launch_decode`; `read_pipeline_decode` takes the host values."""
         p, dev = self.pipeline, self.device
-        if p.remote is not None and self.sparse.remote is not None:  # a decode instance's rows
-            self.sparse.remote.before_pipeline_step(p, seqs)
-        use_graph = dev.type == "cuda" and not self.cfg.enforce_eager
+        if p.remote is not None and self.manager.remote is not None:  # a decode instance's rows
+            self.manager.remote.before_pipeline_step(p, seqs)
         n = p.num_rows
-        bucket = next((b for b in self._graph_buckets() if b >= n), n) if use_graph else n
-        step = self.pipeline_step(bucket, self.scan_width(seqs), use_graph)
+        bucket = next((b for b in self.graph_buckets if b >= n), n) if self.use_graph else n
+        step = self.pipeline_step(bucket, self.scan_width(seqs), self.use_graph)
         if ids is None:
             ids = on_device([[s.last_token_id, s.sparse.draft if s.sparse.draft is not None else s.last_token_id]
                              for s in seqs], dev)
@@ -182,7 +191,7 @@ class SparseDecodeMixin:
         hidden = step.run(row_ids.view(-1))
         logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
         tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2], ids[:, 1])
-        drafts = p.advance_drafts(self.sparse.cfg.drafter, rows, ids[:, 1], tokens, guesses)
+        drafts = p.advance_drafts(self.manager.drafter.name, rows, ids[:, 1], tokens, guesses)
         pairs = torch.stack([tokens, drafts], 1)
         if p.remote is not None:  # its wanted blocks, covered by the read of the pairs below
             p.remote.stage_wanted(bucket)
@@ -195,12 +204,12 @@ class SparseDecodeMixin:
         and the stall to each request's stats (every step, overlapped ones too); count the step and
         whether its draft was right, and keep the next draft (the device chose it, from the
         row's history on the device; the host's `ws.history` is not kept up for pipeline rows)."""
-        drafter = self.sparse.cfg.drafter
+        drafter = self.manager.drafter
         n = len(seqs)
-        if self.pipeline.remote is not None and self.sparse.remote is not None:
-            self.sparse.remote.after_pipeline_step(self.pipeline)
+        if self.pipeline.remote is not None and self.manager.remote is not None:
+            self.manager.remote.after_pipeline_step(self.pipeline)
         step = self.pipeline.read_step(pairs[2 * n:])
-        self.sparse.count_step(step)
+        self.manager.count_step(step)
         pairs = list(zip(pairs[0:2 * n:2], pairs[1:2 * n:2]))
         for s in seqs:
             if s.sparse is not None and not s.is_finished:
@@ -215,21 +224,21 @@ class SparseDecodeMixin:
         return [tok for tok, _ in pairs]
 
     @staticmethod
-    def _count_step(ws, drafter: str, tok: int) -> None:
+    def _count_step(ws, drafter: Drafter, tok: int) -> None:
         """A step of the request is done: count it, and whether its draft was `tok`."""
         ws.stats.steps += 1
-        if drafter in USES_DRAFT_TOKEN:
+        if drafter.sends_draft_token:
             ws.stats.drafts += 1
             ws.stats.drafts_accepted += int(ws.draft == tok)
 
     @classmethod
-    def _advance(cls, ws, drafter: str, tok: int, guess: int | None) -> None:
-        """After an in-line step: count it, then pick the next draft on the host (the oracle's
-        comes from its own first pass instead)."""
+    def _advance(cls, ws, drafter: Drafter, tok: int, guess: int | None) -> None:
+        """After an in-line step: count it, then pick the next draft on the host (a first
+        pass's drafter finds its own instead)."""
         cls._count_step(ws, drafter, tok)
         ws.history.append(tok)
-        if drafter != "oracle":
-            ws.draft = next_draft(drafter, ws.history, ws.draft, tok, guess)
+        if not drafter.first_pass:
+            ws.draft = next_draft(drafter.name, ws.history, ws.draft, tok, guess)
 
     def _sample_with_lookahead(self, seqs: list[Sequence], token_logits: torch.Tensor,
                                draft_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], list[int]]:
