@@ -1,9 +1,12 @@
-"""Small HTTP helpers the server tests share: a free port, JSON calls, SSE reading, /metrics."""
+"""Small HTTP helpers the server tests share: a free port, JSON calls, SSE reading, /metrics, a
+disaggregation proxy."""
 from __future__ import annotations
 
 import json
 import re
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -81,3 +84,10 @@ def wait_idle(base: str, timeout: float = 120) -> None:
             return
         assert time.monotonic() < deadline, "the server stayed busy"
         time.sleep(0.2)
+
+
+def start_proxy(prefill: str, decode: str, port: int, *flags: str) -> subprocess.Popen:
+    """`oasiskv proxy` over one prefill and one decode server (URLs), in a session of its own."""
+    return subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill", prefill,
+                             "--decode", decode, "--port", str(port), "--log-level", "warning", *flags],
+                            start_new_session=True)

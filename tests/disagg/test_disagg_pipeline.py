@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -35,7 +33,7 @@ from oasiskv.disagg.transport import PendingRead
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
 from oasiskv.sparse.remote_rows import RemoteRows
 from oasiskv.sparse.tuning import PipelineTuning
-from server_client import call, free_port, metrics
+from server_client import call, free_port, metrics, start_proxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -232,9 +230,7 @@ def test_servers_decode_on_the_pipeline():
              "decode": start_server([*engine, "--role", "decode", "--sparse-pipeline", "on",
                                      "--remote-kv-gb", "0.15", "--prefill-peers", url["prefill"]], HOST,
                                     ports["decode"], wait=False),
-             "proxy": subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
-                                        url["prefill"], "--decode", url["decode"], "--port", str(ports["proxy"]),
-                                        "--log-level", "warning"], start_new_session=True)}
+             "proxy": start_proxy(url["prefill"], url["decode"], ports["proxy"])}
     try:
         for name, proc in procs.items():
             wait_for_health(url[name], 600, proc)

@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -30,7 +28,7 @@ import pytest
 from oasiskv.disagg.nixl_transport import nixl_available
 from oasiskv.entrypoints.disagg_trust import SECRET_ENV, SECRET_HEADER
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
-from server_client import call, free_port, metrics, stream_events
+from server_client import call, free_port, metrics, start_proxy, stream_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -59,9 +57,7 @@ def servers(request):
     os.environ.setdefault(SECRET_ENV, "tests-disagg-secret")  # the servers and the proxies share it
 
     def proxy(decode: str):
-        return subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
-                                 url["prefill"], "--decode", url[decode], "--port", str(ports[f"proxy{decode[6:]}"]),
-                                 "--api-key", KEY, "--log-level", "warning"], start_new_session=True)
+        return start_proxy(url["prefill"], url[decode], ports[f"proxy{decode[6:]}"], "--api-key", KEY)
     decode = [*engine, "--role", "decode", "--prefill-peers", url["prefill"]]
     procs = {
         "prefill": start_server([*engine, "--role", "prefill", "--kv-lease-ttl", "3"], HOST, ports["prefill"],

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import jsonschema
 import pytest
-from server_client import call, free_port
+from server_client import call, free_port, start_proxy
 
 from oasiskv.entrypoints.disagg_trust import SECRET_ENV
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server, wait_for_health
@@ -39,9 +37,7 @@ def proxy():
     procs = {"prefill": start_server([*ENGINE, "--role", "prefill"], HOST, ports["prefill"], wait=False),
              "decode": start_server([*ENGINE, "--role", "decode", "--prefill-peers", url["prefill"]], HOST,
                                     ports["decode"], wait=False),
-             "proxy": subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill",
-                                        url["prefill"], "--decode", url["decode"], "--port", str(ports["proxy"]),
-                                        "--log-level", "warning"], start_new_session=True)}
+             "proxy": start_proxy(url["prefill"], url["decode"], ports["proxy"])}
     try:
         for name, proc in procs.items():
             wait_for_health(url[name], 600, proc)

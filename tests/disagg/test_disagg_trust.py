@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -17,7 +15,7 @@ from oasiskv.entrypoints.disagg_trust import SECRET_HEADER
 from oasiskv.entrypoints.openai.disagg_serving import DecodeRole
 from oasiskv.entrypoints.openai.guard import Draining, RequestGuard
 from oasiskv.entrypoints.openai.protocol import APIError
-from server_client import call, free_port
+from server_client import call, free_port, start_proxy
 
 pytestmark = pytest.mark.server
 
@@ -98,9 +96,7 @@ def test_decode_server_never_contacts_a_host_it_was_not_given():
 
 def test_proxy_checks_its_key_and_reports_dead_role_servers():
     port, dead = free_port(), f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "oasiskv.entrypoints.cli", "proxy", "--prefill", dead, "--decode",
-                             dead, "--port", str(port), "--api-key", "pk", "--log-level", "warning"],
-                            start_new_session=True)
+    proc = start_proxy(dead, dead, port, "--api-key", "pk")
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(200):
