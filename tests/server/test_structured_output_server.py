@@ -9,7 +9,7 @@ import signal
 
 import jsonschema
 import pytest
-from server_client import call, free_port, wait_started
+from server_client import call, free_port, stream_events, wait_started
 
 from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 
@@ -132,6 +132,35 @@ def test_forced_tool_calls_and_a_tool_loop(base, tool_choice):
     streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, tools=TOOLS,
                                               max_tokens=20, temperature=0, stream=True)
     assert _streamed_calls(streamed)[0] == reply.choices[0].message.content
+
+
+def test_each_of_n_choices_calls_the_named_tool(base):
+    """n = 2 sampled choices under a named tool_choice: each is its own forced call with its own
+    id and arguments that match the schema, whole and streamed (calls keyed by choice index)."""
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": 60, "temperature": 0.8, "seed": 3, "n": 2, "parallel_tool_calls": False}
+    status, r = call(base, "/v1/chat/completions", body)
+    assert status == 200, r
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    ids = set()
+    for c in r["choices"]:
+        assert c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1, c
+        tc = c["message"]["tool_calls"][0]
+        assert tc["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(tc["function"]["arguments"]), WEATHER)
+        ids.add(tc["id"])
+    assert len(ids) == 2
+    calls: dict[int, dict] = {}
+    for event in stream_events(base, "/v1/chat/completions", body)[:-1]:
+        for c in event["choices"]:
+            for tc in c["delta"].get("tool_calls") or []:
+                got = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+                got["name"] += tc.get("function", {}).get("name") or ""
+                got["arguments"] += tc.get("function", {}).get("arguments") or ""
+    assert sorted(calls) == [0, 1]
+    for got in calls.values():
+        assert got["name"] == "get_weather"
+        jsonschema.validate(json.loads(got["arguments"]), WEATHER)
 
 
 def test_parallel_calls_and_the_model_card(base):
