@@ -26,19 +26,30 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
-    """A decode step launched but not yet read back."""
+    """A decode step launched but not yet read back. A batch with grammars launches its forward
+    first and is sampled once the step before has been read (`sample`): each mask needs the
+    grammar advanced by that step's token, and the host builds the masks while the device runs
+    the forward."""
     batch: ScheduledBatch
-    tokens: torch.Tensor  # sampled, on the device (sparse pipeline rows: [n, 2] token, next draft)
-    host_tokens: torch.Tensor  # their copy in pinned host memory, complete once `ready` fires
+    tokens: torch.Tensor | None  # sampled, on the device (sparse pipeline rows: [n, 2] token, next draft)
+    host_tokens: torch.Tensor | None  # their copy in pinned host memory, complete once `ready` fires
     ready: torch.cuda.Event | None  # None on CPU
     launched: float
     runner: ModelRunner | None = None  # set for a batch of sparse pipeline rows, whose pairs it reads
+    logits: torch.Tensor | None = None  # launched and not yet sampled (`sample`)
 
     @classmethod
-    def launch(cls, runner, batch: ScheduledBatch, ids: torch.Tensor | None = None) -> "InFlight":
+    def launch(cls, runner, batch: ScheduledBatch, ids: torch.Tensor | None = None,
+               defer_sampling: bool = False) -> "InFlight":
+        if defer_sampling:
+            return cls(batch, None, None, None, time.perf_counter(), logits=runner.launch_logits(batch.seqs, ids))
         pipeline = runner.is_pipeline_batch(batch.seqs)
         return cls(batch, *runner.launch_decode(batch.seqs, ids), time.perf_counter(),
                    runner if pipeline else None)
+
+    def sample(self, runner: ModelRunner) -> None:
+        self.tokens, self.host_tokens, self.ready = runner.sample_launched(self.logits, self.batch.seqs)
+        self.logits = None
 
     def read(self) -> list[int]:
         values = read_host(self.host_tokens, self.ready)
@@ -229,23 +240,29 @@ class LLMEngine:
                 s.output_token_ids.append(PENDING)  # this step's token, filled in by postprocess
                 if s.sparse is None:  # a sparse request's working set has a fixed size
                     self.block_manager.grow(s, s.num_tokens)
-            self._in_flight = InFlight.launch(self.runner, ScheduledBatch(nxt, [1] * len(nxt), False), ids)
+            grammared = any(s.grammar is not None for s in nxt)
+            self._in_flight = InFlight.launch(self.runner, ScheduledBatch(nxt, [1] * len(nxt), False), ids,
+                                              defer_sampling=grammared)
             self.step_stats["overlapped_steps"] += 1
         tokens = cur.read()
         done = time.perf_counter()
         self._account(cur.batch, done - max(cur.launched, self._last_done))
         self._last_done = done
-        return self.postprocess(cur.batch, tokens)
+        outputs = self.postprocess(cur.batch, tokens)
+        if self._in_flight is not None and self._in_flight.logits is not None:
+            self._in_flight.sample(self.runner)  # the grammars have taken this step's tokens
+        return outputs
 
     def _overlappable(self, seqs: list[Sequence], ahead: int = 0) -> bool:
         """Plain dense decode (with sparse decode on too, while no request of the batch converts
         after the step: `ahead` = 1 for the step after the one in flight), or a batch whose
         requests all decode sparse through the pipeline (their next drafts are chosen on the
-        device). Mixed batches, conversions, the in-line sparse path, logits processors,
-        penalties and grammars (which look at the tokens so far) and logprobs (read back every
-        step) take the synchronous path."""
+        device). A dense batch with grammars overlaps too: its sampling waits for the step before
+        (`InFlight.sample`). Mixed batches, conversions, the in-line sparse path, grammars on
+        pipeline rows (sampled inside the captured step), logits processors and penalties (which
+        look at the tokens so far) and logprobs (read back every step) take the synchronous path."""
         if any(s.params.logits_processors or s.params.has_penalties or s.params.logprobs is not None
-               or s.grammar is not None for s in seqs):
+               for s in seqs):
             return False
         r = self.runner
         if r.sparse is None:
@@ -253,7 +270,7 @@ class LLMEngine:
         if r.sparse_runner.pending_conversions:  # a request converts after this step
             return False
         if r.is_pipeline_batch(seqs):
-            return True
+            return not any(s.grammar is not None for s in seqs)
         return all(s.sparse is None and not r.sparse.should_convert(s, s.num_tokens + ahead) for s in seqs)
 
     def _next_step_of(self, seqs: list[Sequence]) -> list[Sequence]:

@@ -375,7 +375,18 @@ class ModelRunner:
         tokens are then [n, 2] (token, draft) pairs, and `read_pipeline_decode` reads them."""
         if self.is_pipeline_batch(seqs):
             return self.sparse_runner.launch_pipeline_decode(seqs, ids)
-        tokens = sample_requests(self.model.compute_logits(self.run_decode(seqs, ids)), seqs)
+        return self.sample_launched(self.launch_logits(seqs, ids), seqs)
+
+    @torch.inference_mode()
+    def launch_logits(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A dense decode step's logits, launched and not waited for; `sample_launched` samples
+        them later (a grammar's mask needs the step before read first)."""
+        return self.model.compute_logits(self.run_decode(seqs, ids))
+
+    @torch.inference_mode()
+    def sample_launched(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """`launch_decode`'s sampling half: the tokens on the device, their pinned host copy, its event."""
+        tokens = sample_requests(logits, seqs)
         return tokens, *to_host(tokens)
 
     def needs_sparse_step(self, seqs: list[Sequence]) -> bool:

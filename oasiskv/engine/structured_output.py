@@ -156,6 +156,8 @@ class RequestGrammar:
 def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> None:
     """logits [B, V] set to -inf, in place, where the bitmasks [B, words] (on the host) have a 0 bit."""
     V = logits.shape[1]
+    if logits.device.type == "cuda":  # pinned: the copy queues behind the forward instead of waiting for it
+        masks = masks.pin_memory()
     masks = masks.to(logits.device, non_blocking=True)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((masks[:, :, None] >> bits) & 1).flatten(1)[:, :V].bool()

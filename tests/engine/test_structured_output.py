@@ -130,6 +130,22 @@ def test_preempted_request_keeps_its_grammar(llm):
         assert_valid(out, SCHEMAS["nested"])
 
 
+def test_async_scheduling_samples_a_grammared_step_after_the_one_before(llm):
+    """Under async scheduling a grammared step's forward is launched before the step before is
+    read, and sampled after it (its masks need the grammars advanced): the outputs are the
+    synchronous loop's, and the steps overlapped."""
+    params = [constrained("json_schema", SCHEMAS["enum"]), constrained("choice", ["yes", "no", "maybe"]),
+              constrained("json_object", temperature=0.8, seed=3, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    prompts = [chat(llm), chat(llm, "Is the sky blue?"), chat(llm), chat(llm)]
+    want = llm.generate(prompts, params)
+    overlapped = LLM(max_model_len=512, async_scheduling="on")
+    got = overlapped.generate(prompts, params)
+    assert [(g.token_ids, g.finish_reason) for g in got] == [(w.token_ids, w.finish_reason) for w in want]
+    assert overlapped.engine.step_stats["overlapped_steps"] > 0
+    assert_valid(got[0], SCHEMAS["enum"])
+
+
 @pytest.mark.parametrize("vocab", [64, 100, 49152])
 def test_apply_bitmask_as_the_bits_say(vocab):
     gen = torch.Generator().manual_seed(vocab)
