@@ -198,13 +198,19 @@ def test_client_gone_mid_decode_frees_both_sides(servers):
     assert pools_drain(url) == (0, 0, 0)
 
 
-SHORT_LENGTHS = list(range(1, 41)) + [47, 48, 49, 63, 64, 65, 127, 128, 129, 199, 200]
+# Every length under two blocks, then around the next block boundaries; on NIXL (the same
+# engine paths, another transport) a few of each kind.
+SHORT_LENGTHS = list(range(1, 34)) + [47, 48, 49, 63, 64, 65, 127, 128, 129, 199, 200]
+NIXL_SHORT_LENGTHS = [1, 2, 15, 16, 17, 31, 33, 64, 65, 129, 200]
+
+
 def test_every_short_prompt_length_equals_colocated(servers):
     """Prompts shorter than a block (the partial block is a sink) and around block boundaries:
     through either proxy (strict RPF, default RPF) the greedy tokens equal the decode server's
     colocated run."""
     url, ids = servers["url"], servers["ids"]
-    body = {"prompt": [ids[:n] for n in SHORT_LENGTHS], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+    lengths = SHORT_LENGTHS if servers["transport"] == "socket" else NIXL_SHORT_LENGTHS
+    body = {"prompt": [ids[:n] for n in lengths], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "logprobs": 0}  # one request of every length: each server batches them
     status, local = call(url["decode"], "/v1/completions", body, timeout=600)
     assert status == 200, local
@@ -212,7 +218,7 @@ def test_every_short_prompt_length_equals_colocated(servers):
     for proxy in ("proxy", "proxy_default"):
         status, proxied = call(url[proxy], "/v1/completions", body, timeout=600, headers=AUTH)
         assert status == 200, proxied
-        for n, a, b in zip(SHORT_LENGTHS, local["choices"], proxied["choices"]):
+        for n, a, b in zip(lengths, local["choices"], proxied["choices"]):
             if a["text"] != b["text"] or a["logprobs"]["tokens"] != b["logprobs"]["tokens"]:
                 bad.append((proxy, n))
     assert not bad, f"prompt lengths whose proxied tokens differ from colocated: {bad}"
