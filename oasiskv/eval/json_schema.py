@@ -110,7 +110,7 @@ def run_json_schema(args) -> int:
         rows.append(row)
     unchanged = [a.token_ids == b.token_ids for a, b in zip(alone, mixed[len(prompts):])]
     results = {"model": cfg.model, "sparse": cfg.sparse.enabled, "sparse_threshold": cfg.sparse.sparse_threshold,
-               "pad_tokens": pad, "max_tokens": args.max_tokens, "prompts": len(rows),
+               "top_k_blocks": cfg.sparse.top_k_blocks, "pad_tokens": pad, "max_tokens": args.max_tokens, "prompts": len(rows),
                "parsed": sum(r["parsed"] for r in rows), "valid": sum(r["valid"] for r in rows),
                "stopped": sum(r["finish_reason"] == "stop" for r in rows),
                "sparse_steps": sum(r["sparse_steps"] for r in rows), "plain_unchanged": sum(unchanged),
@@ -125,7 +125,7 @@ def run_json_schema(args) -> int:
 
 
 def print_json_schema_table(r: dict) -> None:
-    mode = f"sparse (threshold {r['sparse_threshold']})" if r["sparse"] else "dense"
+    mode = f"sparse (threshold {r['sparse_threshold']}, K = {r.get('top_k_blocks')})" if r["sparse"] else "dense"
     print(f"\njson-schema: {r['model']}, {mode}, prompts padded with {r['pad_tokens']} prose tokens, greedy, "
           f"at most {r['max_tokens']} tokens")
     print("| run | valid / prompts | parsed | ended by the grammar | sparse steps | unconstrained unchanged | s |")
