@@ -46,14 +46,15 @@ def qwen3_dir(cfg: ModelConfig, tokenizer: Path) -> Path:
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
-    """(seconds, output tokens) of one batch."""
-    t0 = time.perf_counter()
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int, int]:
+    """(seconds, output tokens, decode steps overlapped by async scheduling) of one batch."""
+    stats = llm.engine.step_stats
+    before, t0 = stats["overlapped_steps"], time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
     lengths = {len(o.token_ids) for o in outs}
     assert lengths == {params[0].max_tokens}, f"every row runs to its limit, got lengths {lengths}"
-    return seconds, sum(len(o.token_ids) for o in outs)
+    return seconds, sum(len(o.token_ids) for o in outs), stats["overlapped_steps"] - before
 
 
 def bench(model_dir: str, rows: int, new_tokens: int, prompt_len: int, reps: int, **engine) -> dict:
@@ -66,14 +67,15 @@ def bench(model_dir: str, rows: int, new_tokens: int, prompt_len: int, reps: int
     for params in loads.values():  # warm-up: graphs captured, the schema compiled
         run(llm, prompts, params)
     times: dict[str, list[float]] = {name: [] for name in loads}
-    tokens = {}
+    tokens, overlapped = {}, {}
     for _ in range(reps):
         for name, params in loads.items():
-            seconds, tokens[name] = run(llm, prompts, params)
+            seconds, tokens[name], overlapped[name] = run(llm, prompts, params)
             times[name].append(seconds)
     tok_s = {name: tokens[name] / statistics.median(t) for name, t in times.items()}
     return {"model": Path(model_dir).name, "rows": rows, "new_tokens": new_tokens, "prompt_len": prompt_len,
-            "seconds": times, "tok_s": tok_s, "ratio": tok_s["half grammared"] / tok_s["plain"], **engine}
+            "seconds": times, "tok_s": tok_s, "ratio": tok_s["half grammared"] / tok_s["plain"],
+            "overlapped_steps": overlapped, **engine}
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ import torch
 
 from oasiskv.engine.logprobs import record_token_logprobs
 from oasiskv.engine.penalties import apply_rules
-from oasiskv.engine.structured_output import apply_bitmask
+from oasiskv.engine.structured_output import apply_bitmask, batch_masks
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -66,13 +66,31 @@ def sample_requests(logits: torch.Tensor, seqs: list, noise: torch.Tensor | None
 
 
 def _apply_grammars(adjusted: torch.Tensor, seqs: list, appended: torch.Tensor | None) -> None:
-    """Each grammared row keeps only the tokens its grammar allows next; a draft row those
-    allowed after its draft (without advancing the grammar), or all if the draft breaks it."""
-    drafts = appended.tolist() if appended is not None else None
-    rows, masks = [], []
-    for i, s in enumerate(seqs):
-        if s.grammar is None:
-            continue
+    """Each grammared row keeps only the tokens its grammar allows next (the batch's masks in
+    parallel); a draft row those allowed after its draft (without advancing the grammar), or
+    all if the draft breaks it."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    masks = None
+    if appended is None:
+        try:
+            masks = batch_masks([seqs[i].grammar for i in rows], pin=adjusted.device.type == "cuda")
+        except Exception:  # noqa: BLE001 - which request's grammar? each alone tells, below
+            masks = None
+    if masks is None:
+        rows, masks = _masks_one_by_one(seqs, rows, appended.tolist() if appended is not None else None)
+    if rows:
+        index = on_device(rows, adjusted.device)
+        constrained = adjusted[index]
+        apply_bitmask(constrained, masks)
+        adjusted[index] = constrained
+
+
+def _masks_one_by_one(seqs: list, rows: list[int], drafts: list[int] | None) -> tuple[list[int], torch.Tensor | None]:
+    """The rows that take a mask and their masks, one grammar at a time: a grammar that fails
+    fails its request alone; a draft the grammar refuses leaves its row unconstrained."""
+    kept, masks = [], []
+    for i in rows:
+        s = seqs[i]
         try:
             mask = s.grammar.draft_mask(drafts[i]) if drafts is not None else s.grammar.mask()
         except Exception as e:  # noqa: BLE001 - a fault of this request's grammar fails only it
@@ -80,13 +98,9 @@ def _apply_grammars(adjusted: torch.Tensor, seqs: list, appended: torch.Tensor |
                 _fail(s, e)
             continue
         if mask is not None:
-            rows.append(i)
+            kept.append(i)
             masks.append(mask)
-    if rows:
-        index = on_device(rows, adjusted.device)
-        constrained = adjusted[index]
-        apply_bitmask(constrained, torch.stack(masks))
-        adjusted[index] = constrained
+    return kept, torch.stack(masks) if masks else None
 
 
 def _sample_row(logits, adjusted, seqs, noise, i: int) -> tuple[torch.Tensor, Exception | None]:
