@@ -132,13 +132,13 @@ class ModelRunner:
         return model.eval().requires_grad_(False)
 
     def _use_pipeline(self) -> bool:
-        """Sparse decode runs through the batched pipeline (docs/design.md: GPU-resident state, stages
-        on side streams, one CUDA graph per step) on CUDA; the in-line per-request path stays for
-        the drafters that do not run on the pipeline and as the reference on CPU."""
+        """Sparse decode runs through the batched pipeline (docs/design.md: device-resident state,
+        stages on side streams and one CUDA graph per step on CUDA, in order on CPU); the in-line
+        per-request path stays for the drafters that do not run on the pipeline and as the reference."""
         mode = self.cfg.sparse_pipeline
         if not self.cfg.sparse.enabled or mode == "off":
             return False
-        return mode == "on" or (self.device.type == "cuda" and drafter_named(self.cfg.sparse.drafter).runs_on_pipeline)
+        return mode == "on" or drafter_named(self.cfg.sparse.drafter).runs_on_pipeline
 
     def _build_pipeline(self, sc, kv: torch.Tensor, host: HostKVPool, remote_items: torch.Tensor | None,
                         ) -> LookaheadPipeline:
