@@ -6,7 +6,8 @@ arguments are checked."""
 from __future__ import annotations
 
 import json
-import socket
+
+from oasiskv.distributed.group import free_port
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 32},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -18,12 +19,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                "city": {"type": "string", "maxLength": 32}}, "required": ["city"]}}}]
 QUESTION = [{"role": "user", "content": "What is the weather in Paris right now, in celsius?"}]
 CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "get_weather"}}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _server_args(args) -> list[str]:
@@ -72,7 +67,7 @@ def run_tool_loop(args) -> list[dict]:
 
     from oasiskv.entrypoints.openai.server_process import start_server, stop_server
 
-    port = _free_port()
+    port = free_port()
     proc = start_server(_server_args(args), "127.0.0.1", port)
     rows = []
     try:

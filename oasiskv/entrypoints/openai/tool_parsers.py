@@ -55,6 +55,19 @@ def _literal(text: str, tokenizer) -> str:
     return json.dumps(text)
 
 
+def _calls_grammar(functions: list[dict], parallel: bool, separator: str, lead: str, args_key: str,
+                   tail: str, opening: str = "") -> str:
+    """Lark rules for one call (or, parallel, several joined by `separator`) of the given functions,
+    each written `opening` `lead{"name": NAME, "ARGS_KEY": ` its arguments `tail`."""
+    rules = ["start: call" + (f" ({json.dumps(separator)} call)*" if parallel else ""),
+             "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, fn in enumerate(functions):
+        head = json.dumps(lead + '{"name": ' + json.dumps(fn["name"]) + f', "{args_key}": ')
+        parts = [opening, head, f"args_{i}", tail]
+        rules += [f"call_{i}: " + " ".join(p for p in parts if p), f"args_{i}: {_arguments_grammar(fn)}"]
+    return "\n".join(rules)
+
+
 class HermesParser:
     name = "hermes"
     start = "<tool_call>"  # the text from which a reply is (or holds) tool calls
@@ -90,12 +103,7 @@ class HermesParser:
 
     def grammar(self, functions: list[dict], parallel: bool, tokenizer) -> str:
         open_, close = _literal("<tool_call>", tokenizer), _literal("</tool_call>", tokenizer)
-        rules = ["start: call" + (' ("\\n" call)*' if parallel else ""),
-                 "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
-        for i, fn in enumerate(functions):
-            head = json.dumps('\n{"name": ' + json.dumps(fn["name"]) + ', "arguments": ')
-            rules += [f'call_{i}: {open_} {head} args_{i} "}}\\n" {close}', f"args_{i}: {_arguments_grammar(fn)}"]
-        return "\n".join(rules)
+        return _calls_grammar(functions, parallel, "\n", "\n", "arguments", f'"}}\\n" {close}', open_)
 
 
 class Llama3JsonParser:
@@ -125,12 +133,7 @@ class Llama3JsonParser:
         return 0 if not body or body.startswith(("{", "<|python_tag|>")) else len(text)
 
     def grammar(self, functions: list[dict], parallel: bool, tokenizer) -> str:
-        rules = ["start: call" + (' ("; " call)*' if parallel else ""),
-                 "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
-        for i, fn in enumerate(functions):
-            head = json.dumps('{"name": ' + json.dumps(fn["name"]) + ', "parameters": ')
-            rules += [f'call_{i}: {head} args_{i} "}}"', f"args_{i}: {_arguments_grammar(fn)}"]
-        return "\n".join(rules)
+        return _calls_grammar(functions, parallel, "; ", "", "parameters", '"}"')
 
 
 PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser())}

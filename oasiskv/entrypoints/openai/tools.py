@@ -92,10 +92,9 @@ def chat_tools(req: ChatCompletionRequest) -> ToolUse | None:
     else:
         raise _bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
                                   '{"name": ...}}', "unsupported_parameter")
-    forced = choice in ("required", "named")
-    if forced and any(getattr(req, f) is not None for f in ("response_format", "guided_json", "guided_regex",
-                                                           "guided_choice")):
+    use = ToolUse(tools, choice, functions, parallel=req.parallel_tool_calls is not False)
+    if use.forced and any(getattr(req, f) is not None for f in ("response_format", "guided_json", "guided_regex",
+                                                               "guided_choice")):
         raise _bad("tool_choice", f"{choice!r} constrains the reply itself: it does not go with `response_format` "
                                   "or guided_*", "unsupported_parameter")
-    parallel = req.parallel_tool_calls is not False
-    return ToolUse(tools, choice, functions, parallel)
+    return use
