@@ -6,8 +6,9 @@ the HTTP side (`expect_admission`, before the request is added); adding it admit
 blocks it needs from the prefill peer over the transport (`RemoteSource`, `RemoteReads`). A
 request without them is served as usual (colocated). One host arena (`LocalItems`, the model runner's
 `remote_items`: pinned and mapped on CUDA), registered with the transport once, holds the items
-of every admitted request. On CUDA the requests decode batched through the pipeline (its
-disaggregated rows, `RemoteRows`); with --rpf-strict and on CPU, on the in-line path.
+of every admitted request. The requests decode batched through the pipeline (its
+disaggregated rows, `RemoteRows`); with --rpf-strict its steps run eager and in order, each
+layer's selection waiting for its reads (`RemoteSource.read_layer`).
 
 A `full` admission carries no KV: the request waits while its whole KV is read over the
 transport (`FullTransfer`, advanced between steps, so running requests keep decoding), then

@@ -98,8 +98,11 @@ class RemoteSource:
     # ---- around a pipeline step ---------------------------------------------------------
     def before_pipeline_step(self, pipeline, seqs: list[Sequence]) -> None:
         """Reads that settled, and local items for every block the step completes (its
-        write-through goes there: `copy_mapped`), into the device map, on the step's stream."""
+        write-through goes there: `copy_mapped`), into the device map, on the step's stream.
+        Strict: every layer of the step reads its missing blocks before its selection."""
         self.reads.poll()
+        if self.strict:  # every predicted block that is not local is read (no per-head limit)
+            pipeline.layer_reads, pipeline.remote.want_per_head = self.read_layer, 0
         bs, H = pipeline.bs, pipeline.H
         for s in seqs:
             req, n = s.sparse.remote, s.num_tokens - 1  # the step adds the token at position n
@@ -108,6 +111,10 @@ class RemoteSource:
             if self.reads.place(req, np.arange(self.num_layers)[:, None], n // bs, np.arange(H)[None, :]) is None:
                 # its write-through skips unmapped items; it ends after the step
                 self.reads.fail_request(req, HostArenaFull(req.peer, ARENA_FULL))
+        self.map_arrived(pipeline)
+
+    def map_arrived(self, pipeline) -> None:
+        """Items that became local since the last call, into the pipeline's device map."""
         parts = []
         for row, ws in enumerate(pipeline.owners):
             req = ws.remote
@@ -120,6 +127,25 @@ class RemoteSource:
                 parts.append((slot, layer, block, head, req.where.reshape(-1)[flat]))
         if parts:
             pipeline.remote.update_map(*(np.concatenate(x) for x in zip(*parts)))
+
+    def read_layer(self, pipeline, layer: int) -> bool:
+        """Strict (`LookaheadPipeline.layer_reads`, steps in order): layer l's predicted blocks
+        that are not local are read now and waited for, then mapped, so the working set evolves
+        as it does colocated. Returns whether any was missing (the layer is predicted again)."""
+        self.reads.poll()
+        H = pipeline.H
+        wanted = pipeline.remote.wanted[:pipeline.B * H, layer].cpu().numpy()  # [rows * Hkv, K]
+        line, k = np.nonzero(wanted >= 0)
+        if not len(line):
+            return False
+        row = line // H
+        for r in np.unique(row):
+            at = row == r
+            self.reads.want(pipeline.owners[r].remote, layer, wanted[line[at], k[at]], line[at] % H)
+        self.reads.flush()
+        self.reads.wait()
+        self.map_arrived(pipeline)
+        return True
 
     def after_pipeline_step(self, pipeline) -> None:
         """The step's wanted blocks (read with its tokens) asked for, one call per row (the

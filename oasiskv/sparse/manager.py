@@ -165,6 +165,14 @@ class SparseManager:
         at = slice(ws.summary_offset, ws.summary_offset + num_blocks)
         return self.arena.kmin[:, at].cpu(), self.arena.kmax[:, at].cpu()
 
+    def working_set_tables(self, ws: WorkingSet) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The request's working set as its conversion laid it out (blocks [L, Hkv, P], selection
+        stamps [L, Hkv, K]) and the step the stamps count from: from its pipeline row once it has one."""
+        if ws.row is None:
+            return ws.blocks, ws.last_selected, self.step
+        blocks, last = self.pipeline.working_set_of(ws)
+        return blocks, last, int(self.pipeline.step)
+
     def summary_pages(self, seq) -> int:
         """Pages a request's summaries take when it converts (every block it may reach)."""
         return self.arena.pages_for(seq.host_extent.max_blocks)

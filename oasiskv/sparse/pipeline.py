@@ -35,6 +35,7 @@ never needs the host to know which blocks are resident.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -126,6 +127,9 @@ class LookaheadPipeline:
         self.scan_blocks = max_blocks  # blocks the prediction scans per request (`set_scan`)
         self.drafted = drafter_named(cfg.drafter).sends_draft_token  # else the current token's query predicts
         self.remote = remote
+        # Strict remote reads (a decode instance's `RemoteSource.read_layer`, steps in order):
+        # after a layer's prediction masked blocks that are not local, it reads them and waits.
+        self.layer_reads: Callable[[LookaheadPipeline, int], bool] | None = None
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
         self.stages_fork = stages_fork(max_blocks, tuning)  # the part of a layer after which its stages start
         dev = self.device = kv.device
@@ -326,6 +330,20 @@ class LookaheadPipeline:
         ws.row = row
         self.owners.append(ws)
 
+    def working_set_of(self, ws: WorkingSet) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's working set as `SparseManager.convert` lays it out, on the host (a sync):
+        blocks [L, Hkv, P] (sinks, the dynamic blocks, the window ring; -1 empty) and the dynamic
+        blocks' selection stamps [L, Hkv, K] (this pipeline's steps). What a hand-over sends."""
+        row, H, S, K = ws.row, self.H, self.S, self.K
+        n = int(self.cached[row])
+        rows = slice(row * H, (row + 1) * H)
+        blocks = torch.full((self.L, H, self.P), -1, dtype=torch.int32)
+        blocks[:, :, S:S + K] = self.resident[:, rows].cpu()
+        held = -(-n // self.bs)  # blocks with a token
+        for b in [*range(min(S, held)), *range(ws.window_start(n, self.bs), held)]:
+            blocks[:, :, ws.position(b)] = b
+        return blocks, self.last[:, rows].long().cpu()
+
     def release(self, ws: WorkingSet) -> list[int]:
         """Free the request's row; the last used row moves into it, so used rows stay a prefix.
         Returns the row's counters (hits, missed, admitted, evicted) summed over heads (a sync:
@@ -512,7 +530,7 @@ class LookaheadPipeline:
             self.timing.joined.record()
 
     # ---- the stages ----------------------------------------------------------------
-    def predict(self, layer: int) -> None:
+    def predict(self, layer: int, read: bool = True) -> None:
         B, H = self.B, self.H
         score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
                      self.next_blocks[:B], self.G, self.K, max_blocks=self.scan_blocks, num_sink=self.S,
@@ -523,6 +541,8 @@ class LookaheadPipeline:
         if self.remote is not None:  # disaggregated rows: only local blocks may come in
             self.remote.mask(layer, self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H],
                              self.active)
+            if read and self.layer_reads is not None and self.layer_reads(self, layer):
+                self.predict(layer, read=False)  # the missing blocks are local now
 
     def select(self, layer: int) -> None:
         """Capped eviction; under a transfer budget, first what each row would admit, then each

@@ -47,15 +47,15 @@ HOST = "127.0.0.1"
 def hand_over_one() -> dict:
     """A prefill engine's hand-over of one request: both admissions (bytes), its host pool
     served by `owner`, the lease table holding the extent (released by the caller)."""
-    # As a prefill server runs: the in-line working set (the hand-over reads it), synchronous steps.
-    llm = LLM(sparse_pipeline="off", async_scheduling="off", **CONFIG)
+    # As a prefill server runs: synchronous steps.
+    llm = LLM(async_scheduling="off", **CONFIG)
     engine, sparse = llm.engine, llm.engine.runner.sparse
     ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:PROMPT_TOKENS]
     rid = engine.add_request(ids, GREEDY)
     seq = engine.seqs[rid]
     while seq.sparse is None:
         engine.step()
-    full = full_admission(rid, seq, sparse.block_size, sparse.step)
+    full = full_admission(rid, seq, sparse)
     leases = LeaseTable(sparse.host.free)
     rpf = hand_over(sparse, seq, leases, "decode-0")
     engine.abort(rid)
