@@ -29,7 +29,7 @@ from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.host_pool import HostKVPool, PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 from oasiskv.sparse.remote_rows import RemoteRows
-from oasiskv.sparse.step_hooks import SparseStepHooks
+from oasiskv.sparse.query_recorder import QueryRecorder
 from oasiskv.sparse.streamed_prefill import StreamedChunk
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -279,7 +279,7 @@ class ModelRunner:
                 if seq.num_cached_tokens + n == seq.num_tokens and self.sparse.should_convert(seq, seq.num_tokens):
                     record[c.start + n - 1] = self.sparse_runner.record_query(seq)
             if record:
-                meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.drafter, record_rows=record)
+                meta.hooks = QueryRecorder(record)
         return self._h2d(np.concatenate(ids)), self._h2d(positions), meta, logits_rows, prompt_rows
 
     def run_streamed_prefill(self, seq: Sequence, ids: torch.Tensor, positions: torch.Tensor,
@@ -325,6 +325,10 @@ class ModelRunner:
         cache_lens = pos.int()[:, None].expand(B, Hkv).contiguous()
         meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, slot_tables=slot_tables,
                                  cache_lens=cache_lens, query_len=1)
+        if self.sparse is not None:  # requests that convert after this step record their query
+            record = {b: self.sparse_runner.record_query(s) for b, s in enumerate(seqs)
+                      if self.sparse.should_convert(s, s.num_tokens)}
+            meta.hooks = QueryRecorder(record) if record else None
         if ids is None:
             ids = on_device([s.last_token_id for s in seqs], self.device)
         return ids, pos, meta
@@ -379,8 +383,8 @@ class ModelRunner:
         return tokens, *to_host(tokens)
 
     def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
-        """The batch takes the two-row sparse path (`SparseRunner.needs_sparse_step`)."""
-        return self.sparse_runner is not None and self.sparse_runner.needs_sparse_step(seqs)
+        """The batch holds a sparse request and no pipeline runs it: the in-line path."""
+        return self.pipeline is None and any(s.sparse is not None for s in seqs)
 
     def run_with_pipeline(self, seqs: list[Sequence]) -> list[int]:
         """Sparse requests step through the pipeline; dense ones (if any) through the dense path."""
@@ -388,10 +392,7 @@ class ModelRunner:
         dense = [s for s in seqs if s.sparse is None]
         tokens = {}
         if dense:
-            if self.needs_sparse_step(dense):  # one of them converts after this step
-                got = self.sparse_runner.run_sparse_decode(dense)
-            else:
-                got = sample_requests(self.model.compute_logits(self.run_decode(dense)), dense).tolist()
+            got = sample_requests(self.model.compute_logits(self.run_decode(dense)), dense).tolist()
             tokens.update(zip(map(id, dense), got))
         tokens.update(zip(map(id, sparse), self.sparse_runner.run_pipeline_decode(sparse)))
         return [tokens[id(s)] for s in seqs]
@@ -408,7 +409,7 @@ class ModelRunner:
         ids, positions, meta = self.prepare_decode(seqs, ids)
         B = len(seqs)
         bucket = next((b for b in sorted(self.graphs) if b >= B), None)
-        if bucket is None:
+        if bucket is None or meta.hooks is not None:  # (a step that records queries runs eager)
             return self.model(ids, positions, self.kv_caches, meta)
         s = self.static
         s["ids"][:B].copy_(ids)

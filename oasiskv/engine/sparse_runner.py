@@ -56,12 +56,6 @@ class SparseRunner:
         pending, self.pending_conversions = self.pending_conversions, []
         return pending
 
-    def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
-        """A batch takes the two-row sparse path only if a request in it is sparse or converts
-        after this step; otherwise it is a plain dense step (CUDA graphs, one row each)."""
-        m = self.manager
-        return any(s.sparse is not None or m.should_convert(s, s.num_tokens) for s in seqs)
-
     def prepare_mixed_decode(self, seqs: list[Sequence]):
         """Dense and sparse requests in one batch: two query rows per request (the token and
         its lookahead draft; a dense request's second row is padding), per-layer slot tables."""
