@@ -182,9 +182,18 @@ class SparseRunner:
         active = torch.zeros(bucket, dtype=torch.bool, device=dev)
         active.index_fill_(0, rows, True)  # (`active[rows] = True` copies the scalar from the host: a sync)
         p.active[:bucket].copy_(active)
+        oracle = self.manager.drafter.first_pass
+        if oracle:  # a first pass finds the true next tokens; the step sends them as its drafts
+            hidden = step.first_pass(row_ids.view(-1))
+            truth = sample_requests(self.model.compute_logits(hidden.view(bucket, 2, -1)[rows, 0]), seqs)
+            ids = torch.stack([ids[:, 0], truth], 1)
+            row_ids[rows] = ids
         hidden = step.run(row_ids.view(-1))
-        logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
-        tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2], ids[:, 1])
+        if oracle:
+            tokens = guesses = truth
+        else:
+            logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
+            tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2], ids[:, 1])
         drafts = p.advance_drafts(self.manager.drafter.name, rows, ids[:, 1], tokens, guesses)
         pairs = torch.stack([tokens, drafts], 1)
         if p.remote is not None:  # its wanted blocks, covered by the read of the pairs below
@@ -213,6 +222,8 @@ class SparseRunner:
             if ws is None or s.is_finished:  # finished, aborted or preempted while in flight
                 continue  # (its row ran the step: a request that ends on EOS under async
                 #            scheduling counts one extra step's hits and admissions)
+            if drafter.first_pass:  # the step's draft was its true token
+                ws.draft = tok
             self._count_step(ws, drafter, tok)
             ws.draft = draft
         return [tok for tok, _ in pairs]
