@@ -188,6 +188,8 @@ class SparseRunner:
             truth = sample_requests(self.model.compute_logits(hidden.view(bucket, 2, -1)[rows, 0]), seqs)
             ids = torch.stack([ids[:, 0], truth], 1)
             row_ids[rows] = ids
+            for s, tok in zip(seqs, truth.tolist()):  # (read back: evaluation only)
+                s.sparse.draft = tok
         hidden = step.run(row_ids.view(-1))
         if oracle:
             tokens = guesses = truth
@@ -222,8 +224,6 @@ class SparseRunner:
             if ws is None or s.is_finished:  # finished, aborted or preempted while in flight
                 continue  # (its row ran the step: a request that ends on EOS under async
                 #            scheduling counts one extra step's hits and admissions)
-            if drafter.first_pass:  # the step's draft was its true token
-                ws.draft = tok
             self._count_step(ws, drafter, tok)
             ws.draft = draft
         return [tok for tok, _ in pairs]

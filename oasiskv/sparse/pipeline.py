@@ -343,16 +343,17 @@ class LookaheadPipeline:
         ws.row = row
         self.owners.append(ws)
 
-    def working_set_of(self, ws: WorkingSet) -> tuple[torch.Tensor, torch.Tensor]:
+    def working_set_of(self, ws: WorkingSet, adding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's working set as `SparseManager.convert` lays it out, on the host (a sync):
         blocks [L, Hkv, P] (sinks, the dynamic blocks, the window ring; -1 empty) and the dynamic
-        blocks' selection stamps [L, Hkv, K] (this pipeline's steps). What a hand-over sends."""
+        blocks' selection stamps [L, Hkv, K] (this pipeline's steps). What a hand-over sends.
+        adding: inside a step, whose token's block counts as held."""
         row, H, S, K = ws.row, self.H, self.S, self.K
         n = int(self.cached[row])
         rows = slice(row * H, (row + 1) * H)
         blocks = torch.full((self.L, H, self.P), -1, dtype=torch.int32)
         blocks[:, :, S:S + K] = self.resident[:, rows].cpu()
-        held = -(-n // self.bs)  # blocks with a token
+        held = n // self.bs + 1 if adding else -(-n // self.bs)  # blocks with a token
         for b in [*range(min(S, held)), *range(ws.window_start(n, self.bs), held)]:
             blocks[:, :, ws.position(b)] = b
         return blocks, self.last[:, rows].long().cpu()
