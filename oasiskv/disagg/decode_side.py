@@ -1,20 +1,13 @@
 """The decode instance's side of disaggregation (docs/disaggregation.md): admitting a request
 from its prefill's admission, and the source the sparse manager asks for a disaggregated
-working set's blocks (`SparseManager.remote`), on the in-line path and around the batched
-pipeline's steps.
+working set's blocks (`SparseManager.remote`) around the pipeline's steps.
 
-Each step, the predict stage's top-K blocks of every (layer, KV head) are asked of the remote
-table (`RemoteReads.want`). Blocks not local yet are left out of this step's prediction, so the
-working set keeps what it holds, and are read in one batch per prefill peer posted after the
-last layer, under the byte budget. Reads are polled at every layer: a block counts from the
-first layer that asks for it after it lands, the next step at the latest. With
-`strict`, each layer waits for its blocks instead: the working set evolves exactly as it does
-colocated, which makes the tokens equal (tests).
-
-On the pipeline the same happens a step apart: the step's predictions mask the blocks the
-device map (`RemoteRows`) does not hold and list them; after the step the host asks for them
-(`after_pipeline_step`: one read per peer), and before the next it writes the items that
-arrived into the map (`before_pipeline_step`).
+Each step's predictions mask the blocks the device map (`RemoteRows`) does not hold, so the
+working set keeps what it holds, and list them; after the step the host asks for them
+(`after_pipeline_step`: one read per prefill peer, under the byte budget), and before the next
+it writes the items that arrived into the map (`before_pipeline_step`). With `strict`, each
+layer of a step run in order waits for its blocks instead (`read_layer`): the working set
+evolves exactly as it does colocated, which makes the tokens equal (tests).
 """
 from __future__ import annotations
 
@@ -50,47 +43,6 @@ class RemoteSource:
     @property
     def items(self) -> torch.Tensor:
         return self.reads.store.items
-
-    def available(self, ws: WorkingSet, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        """The predicted blocks [Hkv, K] (-1: none) with those not local yet masked to -1 (strict:
-        read and waited for first)."""
-        self.reads.poll()  # arrived blocks count from the next step; failures are seen at once
-        b = blocks.cpu()
-        heads, cols = torch.nonzero(b >= 0, as_tuple=True)
-        want, head = b[heads, cols].long().numpy(), heads.numpy()
-        if self.strict or not self.want_per_head:
-            local = self.reads.want(ws.remote, layer, want, head)
-        else:  # each head's blocks come best first: ask for its first misses only
-            local = ws.remote.where[layer, want, head] >= 0
-            ask = ~local & (miss_rank(~local, head) <= self.want_per_head)
-            self.reads.want(ws.remote, layer, want[ask], head[ask])
-        if self.strict:
-            self.reads.flush()
-            self.reads.wait()
-            local = ws.remote.where[layer, want, heads.numpy()] >= 0
-        elif layer == self.num_layers - 1:
-            self.reads.flush(self.budget_bytes)
-        if local.all():
-            return blocks
-        out = b.clone()
-        out[heads[~torch.from_numpy(local)], cols[~torch.from_numpy(local)]] = -1
-        return out.to(blocks.device)
-
-    def item_index(self, ws: WorkingSet, layer: int, blocks: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """Local items of (layer, block, head): only blocks `available` let through come here."""
-        idx = ws.remote.where[layer, blocks.numpy(), heads.numpy()]
-        if (idx < 0).any():
-            raise RuntimeError("a block admitted to the working set is not local")
-        return torch.from_numpy(idx)
-
-    def write_block(self, ws: WorkingSet, block: int, kv: torch.Tensor) -> None:
-        """The write-through of a block the decode side completed: kv [L, Hkv, 2, bs, D]."""
-        L, H = kv.shape[:2]
-        local = self.reads.place(ws.remote, np.arange(L)[:, None], block, np.arange(H)[None, :])
-        if local is None:  # this request ends after the step; the others go on
-            self.reads.fail_request(ws.remote, HostArenaFull(ws.remote.peer, ARENA_FULL))
-            return
-        self.items[torch.from_numpy(local.reshape(L * H))] = kv.reshape(L * H, *kv.shape[2:]).to(self.items.device)
 
     def release(self, ws: WorkingSet) -> None:
         self.reads.release(ws.remote)
@@ -163,14 +115,6 @@ class RemoteSource:
             if req is not None and req.peer not in busy:
                 self.reads.want(req, layer[seg], block[seg], head[seg])
         self.reads.flush(self.budget_bytes)
-
-
-def miss_rank(missing: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """1-based rank of each missing entry among the missing ones of its group (`group`
-    ascending, each group's entries in order)."""
-    count = np.cumsum(missing)
-    first = np.searchsorted(group, group, side="left")
-    return count - (count[first] - missing[first])
 
 
 def request_max_blocks(engine, adm: Admission, params: SamplingParams) -> int:

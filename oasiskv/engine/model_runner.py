@@ -24,7 +24,6 @@ from oasiskv.kernels import cudnn_prefill, paged_prefill
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model, skip_weight_init
-from oasiskv.sparse.drafters import drafter_named
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.host_pool import HostKVPool, PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
@@ -133,12 +132,8 @@ class ModelRunner:
 
     def _use_pipeline(self) -> bool:
         """Sparse decode runs through the batched pipeline (docs/design.md: device-resident state,
-        stages on side streams and one CUDA graph per step on CUDA, in order on CPU); the in-line
-        per-request path stays for the drafters that do not run on the pipeline and as the reference."""
-        mode = self.cfg.sparse_pipeline
-        if not self.cfg.sparse.enabled or mode == "off":
-            return False
-        return mode == "on" or drafter_named(self.cfg.sparse.drafter).runs_on_pipeline
+        stages on side streams and one CUDA graph per step on CUDA, in order on CPU)."""
+        return self.cfg.sparse.enabled
 
     def _build_pipeline(self, sc, kv: torch.Tensor, host: HostKVPool, remote_items: torch.Tensor | None,
                         ) -> LookaheadPipeline:
@@ -307,8 +302,6 @@ class ModelRunner:
     def prepare_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """ids: the input tokens already on the device (async scheduling: the last step's
         samples, not yet read by the host); default: each sequence's newest token."""
-        if self.needs_sparse_step(seqs):
-            return self.sparse_runner.prepare_mixed_decode(seqs)
         B, Hkv = len(seqs), self.num_kv_heads
         positions = np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64)
         pages = np.array([s.pages[p // self.block_size] for s, p in zip(seqs, positions)], dtype=np.int64)
@@ -358,8 +351,6 @@ class ModelRunner:
                              if s.num_cached_tokens + n == s.num_tokens]
         elif self.pipeline is not None and any(s.sparse is not None for s in batch.seqs):
             return self.run_with_pipeline(batch.seqs)
-        elif self.needs_sparse_step(batch.seqs):
-            return self.sparse_runner.run_sparse_decode(batch.seqs)
         else:
             hidden = self.run_decode(batch.seqs)
             sampling_seqs = batch.seqs
@@ -381,10 +372,6 @@ class ModelRunner:
             return self.sparse_runner.launch_pipeline_decode(seqs, ids)
         tokens = sample_requests(self.model.compute_logits(self.run_decode(seqs, ids)), seqs)
         return tokens, *to_host(tokens)
-
-    def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
-        """The batch holds a sparse request and no pipeline runs it: the in-line path."""
-        return self.pipeline is None and any(s.sparse is not None for s in seqs)
 
     def run_with_pipeline(self, seqs: list[Sequence]) -> list[int]:
         """Sparse requests step through the pipeline; dense ones (if any) through the dense path."""

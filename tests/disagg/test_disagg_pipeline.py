@@ -20,6 +20,8 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
+from inline_reference import inline_llm
+
 from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.admission import Admission, full_admission
 from oasiskv.disagg.decode_side import RemoteSource, admit, fail_requests
@@ -77,8 +79,8 @@ def decode_engine(pipeline: bool, deferred: int = 0, remote_kv_gb: float = 0.15)
     """A decode engine and its remote reads over the arena its runner made. deferred: the
     pipeline's deferred layers (CPU; on CUDA the captured steps keep the default)."""
     tuning = PipelineTuning() if torch.cuda.is_available() else PipelineTuning(deferred_layers=deferred)
-    engine = LLM(sparse_pipeline="on" if pipeline else "off", remote_kv_gb=remote_kv_gb, pipeline_tuning=tuning,
-                 **CONFIG).engine
+    build = LLM if pipeline else inline_llm  # the in-line reference (tests/inline_reference.py)
+    engine = build(remote_kv_gb=remote_kv_gb, pipeline_tuning=tuning, **CONFIG).engine
     sparse = engine.runner.sparse
     store = LocalItems.over(engine.runner.remote_items)
     reader = SocketTransport()
