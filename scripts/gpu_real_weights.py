@@ -1,7 +1,7 @@
 """The default model's real weights on the GPU: sparse decode through the batched pipeline on real
-text, against the CPU in-line path and beside random weights of the same shapes.
+text, against the CPU pipeline (stages in order) and beside random weights of the same shapes.
 
-    # here, on CPU: prompts (token ids of real text) and the in-line path's greedy tokens
+    # here, on CPU: prompts (token ids of real text) and the CPU pipeline's greedy tokens
     python scripts/gpu_real_weights.py record --output scripts/real_weights_expected.json
     # on the GPU machine, with the GGUF staged by scripts/gpu_stage_model.sh
     PYTHONPATH=.:.gpu_site python3 scripts/gpu_real_weights.py check --gguf PATH \

@@ -344,12 +344,7 @@ def remote_available(self: RemoteSource, ws: WorkingSet, layer: int, blocks: tor
     b = blocks.cpu()
     heads, cols = torch.nonzero(b >= 0, as_tuple=True)
     want, head = b[heads, cols].long().numpy(), heads.numpy()
-    if self.strict or not self.want_per_head:
-        local = self.reads.want(ws.remote, layer, want, head)
-    else:  # each head's blocks come best first: ask for its first misses only
-        local = ws.remote.where[layer, want, head] >= 0
-        ask = ~local & (miss_rank(~local, head) <= self.want_per_head)
-        self.reads.want(ws.remote, layer, want[ask], head[ask])
+    local = self.reads.want(ws.remote, layer, want, head)
     if self.strict:
         self.reads.flush()
         self.reads.wait()
@@ -377,11 +372,3 @@ def remote_write_block(self: RemoteSource, ws: WorkingSet, block: int, kv: torch
         self.reads.fail_request(ws.remote, HostArenaFull(ws.remote.peer, ARENA_FULL))
         return
     self.items[torch.from_numpy(local.reshape(L * H))] = kv.reshape(L * H, *kv.shape[2:]).to(self.items.device)
-
-
-def miss_rank(missing: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """1-based rank of each missing entry among the missing ones of its group (`group`
-    ascending, each group's entries in order)."""
-    count = np.cumsum(missing)
-    first = np.searchsorted(group, group, side="left")
-    return count - (count[first] - missing[first])

@@ -56,9 +56,9 @@ class DecodeEngine(LLMEngine):
         self.store = LocalItems.over(self.runner.remote_items)  # the arena the pipeline reads
         self.transport = transport
         transport.register(self.store.items)
-        # On the pipeline every read and placement happens between steps: the arena may evict.
-        self.reads = RemoteReads(transport, self.store, read_timeout_s, evict=self.runner.pipeline is not None)
-        m.remote = RemoteSource(self.reads, m.L, strict=strict, want_per_head=config.want_per_head())
+        # Every read and placement happens between the pipeline's steps: the arena may evict.
+        self.reads = RemoteReads(transport, self.store, read_timeout_s, evict=True)
+        m.remote = RemoteSource(self.reads, m.L, strict=strict)
         self.link_bytes_per_s = None if link_gbps is None else link_gbps * 1e9 / 8
         self.max_read_bytes = max_read_bytes
         self._transfers: dict[str, FullTransfer] = {}  # request id -> its full transfer, until admitted

@@ -34,11 +34,10 @@ class RemoteSource:
     """`SparseManager.remote` on a decode instance."""
 
     def __init__(self, reads: RemoteReads, num_layers: int, strict: bool = False,
-                 budget_bytes: int | None = None, want_per_head: int = 0):
-        """want_per_head: the best-ranked missing blocks a (layer, KV head) asks for a step
-        (0: all; strict asks for all)."""
+                 budget_bytes: int | None = None):
+        """strict: every layer of a step waits for its missing blocks (`read_layer`); budget_bytes:
+        the reads posted after a step, at most (None: no budget)."""
         self.reads, self.num_layers, self.strict, self.budget_bytes = reads, num_layers, strict, budget_bytes
-        self.want_per_head = want_per_head
 
     @property
     def items(self) -> torch.Tensor:
@@ -101,7 +100,7 @@ class RemoteSource:
 
     def after_pipeline_step(self, pipeline) -> None:
         """The step's wanted blocks (read with its tokens) asked for, one call per row (the
-        flush takes them layer by layer, as the in-line path asks), and posted: one read per
+        flush takes them layer by layer), and posted: one read per
         peer, under the byte budget. Rows whose peer has a read in flight ask nothing (none
         would be posted), and when that is every row the step's wanted are not even read."""
         self.reads.poll()

@@ -145,8 +145,8 @@ class SparseManager:
 
     def place_summaries(self, ws, kmin: torch.Tensor, kmax: torch.Tensor, run: list[int]) -> None:
         """The request's summaries [L, nb, Hkv, D] into its run of pages (`BlockManager.take_run`),
-        where the working set reads them from (in line: `ws.kmin` and `ws.kmax` become views of
-        the whole run) and the pipeline's kernels address them."""
+        where the pipeline's kernels address them (`ws.kmin` and `ws.kmax` are views of the whole
+        run until the request's pipeline row takes them over)."""
         nb = kmin.shape[1]
         assert len(run) >= self.arena.pages_for(nb) and run == list(range(run[0], run[0] + len(run)))
         ws.summary_offset = self.arena.offset(run[0])

@@ -331,7 +331,7 @@ class LookaheadPipeline:
         self.bind(row, ws.pages, None if remote_slot >= 0 else ext, ws.summary_offset, remote_slot)
         rows = slice(row * H, (row + 1) * H)
         self.resident[:, rows] = ws.blocks[:, :, S:S + K].to(self.device)
-        # Conversion stamped its blocks with the in-line path's step; restamp them with ours.
+        # Conversion stamped its blocks with the manager's step; restamp them with ours.
         self.last[:, rows] = torch.where(ws.last_selected.to(self.device) >= 0, self.step, -1).int()
         self.cached[row] = cached
         self.active[row] = False
@@ -498,7 +498,7 @@ class LookaheadPipeline:
 
     def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         """The layer's epilogue has folded its keys and copied the draft queries out
-        (`summary_fold`): the stages can start (in order here when they run in-line)."""
+        (`summary_fold`): the stages can start (here, in order, without side streams)."""
         if not self.prefetch or self.on_demand:
             return
         if not self.background:

@@ -443,13 +443,6 @@ def test_mask_asks_each_line_for_its_best_misses_only():
     assert torch.isinf(scores[1, :3]).all() and scores[0, 0] == 8
 
 
-def test_miss_rank_counts_within_each_group():
-    from oasiskv.disagg.decode_side import miss_rank
-    missing = np.array([1, 0, 1, 1, 0, 1, 1, 1], dtype=bool)
-    group = np.array([0, 0, 0, 0, 1, 1, 2, 2])
-    assert (miss_rank(missing, group)[missing] == [1, 2, 3, 1, 1, 2]).all()
-
-
 def test_full_arena_gives_back_the_earliest_prompt_items():
     """With eviction (the pipeline), a read that finds the arena full first gives back the prompt
     items that arrived earliest, logged in `arrived` for the map; the blocks the decode side
