@@ -43,6 +43,7 @@ def inline_llm(**engine_args) -> LLM:
     reference = InlineReference(runner.sparse, runner.sparse_runner)
     run = runner.execute
 
+    @torch.inference_mode()
     def execute(batch):
         if not batch.is_prefill and any(s.sparse is not None for s in batch.seqs):
             return reference.run_sparse_decode(batch.seqs)
