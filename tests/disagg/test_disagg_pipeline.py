@@ -219,7 +219,7 @@ def test_a_dead_peer_fails_only_its_request_on_the_pipeline(prefill):
     assert reads.totals.failed_requests == 1
     print(f"dead peer: both requests settled in {time.monotonic() - t0:.1f} s")
 def test_servers_decode_on_the_pipeline():
-    """`serve --role decode --sparse-pipeline on` (what CUDA runs by default) behind the proxy:
+    """`serve --role decode` (the pipeline) behind the proxy:
     the full transfer's tokens equal the decode server's own colocated decode of the prompt, an
     RPF request reads remotely and holds fewer host bytes than full, and the arena drains."""
     ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
@@ -229,7 +229,7 @@ def test_servers_decode_on_the_pipeline():
               "--kv-transport", "socket"]
     os.environ.setdefault(SECRET_ENV, "tests-disagg-secret")  # the servers and the proxy share it
     procs = {"prefill": start_server([*engine, "--role", "prefill"], HOST, ports["prefill"], wait=False),
-             "decode": start_server([*engine, "--role", "decode", "--sparse-pipeline", "on",
+             "decode": start_server([*engine, "--role", "decode",
                                      "--remote-kv-gb", "0.15", "--prefill-peers", url["prefill"]], HOST,
                                     ports["decode"], wait=False),
              "proxy": start_proxy(url["prefill"], url["decode"], ports["proxy"])}

@@ -19,13 +19,16 @@ BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,temperature,deferred,narrow", [("self", 0, 0, False), ("prev", 0, 0, False),
-                                                                 ("self", 0.8, 0, False), ("self", 0, 3, True)])
+                                                                 ("self", 0.8, 0, False), ("self", 0, 3, True),
+                                                                 ("oracle", 0.8, 2, False), ("ondemand", 0, 0, False)])
 def test_pipeline_matches_inline_path(drafter, temperature, deferred, narrow):
     """deferred: the last layers' transfers and the write-through open the next step (as on
     CUDA, in order here): they wait a step, and land before rows move when a request finishes.
     The host pools end equal too: every block either path completed was written through.
     narrow: the prediction scans the narrowest width that holds the step's requests (widths
-    16, 32, 48 blocks here), not the model's length."""
+    16, 32, 48 blocks here), not the model's length. The evaluation's baselines are modes of the
+    pipeline's step: the oracle's first pass (its K/V write and key fold repeated by the step),
+    and on-demand retrieval before each layer's attention."""
     tuning = PipelineTuning(deferred_layers=deferred, scan_bucket_blocks=16 if narrow else 512)
     text = open(argparse.__file__).read()
     runs, pools = {}, {}
