@@ -241,8 +241,8 @@ class LLMEngine:
         """Plain dense decode (with sparse decode on too, while no request of the batch converts
         after the step: `ahead` = 1 for the step after the one in flight), or a batch whose
         requests all decode sparse through the pipeline (their next drafts are chosen on the
-        device). Mixed batches, conversions, logits processors, penalties and grammars (which look at the tokens so far) and logprobs (read back every
-        step) take the synchronous path."""
+        device). Mixed batches, conversions, logits processors, penalties and grammars (which
+        look at the tokens so far) and logprobs (read back every step) take the synchronous path."""
         if any(s.params.logits_processors or s.params.has_penalties or s.params.logprobs is not None
                or s.grammar is not None for s in seqs):
             return False

@@ -68,10 +68,10 @@ class ModelRunner:
         self.kv_caches = list(self.kv.unbind(0))
         sc = cfg.sparse
         self.sparse = SparseManager(sc, mc, self.kv, self.block_size) if sc.enabled else None
-        self.pipeline = None
+        self.pipeline = None  # sparse decode's step (docs/design.md), when sparse decode is on
         # A decode instance's arena of received items (`disagg.LocalItems` hands it out).
         self.remote_items = self._remote_items() if self.sparse is not None else None
-        if self._use_pipeline():
+        if self.sparse is not None:
             self.pipeline = self._build_pipeline(sc, self.kv, self.sparse.host, self.remote_items.tensor
                                                  if self.remote_items is not None else None)
             self.sparse.pipeline = self.pipeline
@@ -130,11 +130,6 @@ class ModelRunner:
         model.load_weights(iter_weights(self.source, self.dtype, device=self.device))
         return model.eval().requires_grad_(False)
 
-    def _use_pipeline(self) -> bool:
-        """Sparse decode runs through the batched pipeline (docs/design.md: device-resident state,
-        stages on side streams and one CUDA graph per step on CUDA, in order on CPU)."""
-        return self.cfg.sparse.enabled
-
     def _build_pipeline(self, sc, kv: torch.Tensor, host: HostKVPool, remote_items: torch.Tensor | None,
                         ) -> LookaheadPipeline:
         """The batched pipeline over the pool `kv`, with rows for --max-num-seqs requests; on a
@@ -153,7 +148,7 @@ class ModelRunner:
         decode instance the item maps of its disaggregated rows: set --max-num-seqs to what it
         decodes at once), which the KV budget holds besides the pages: measured on a pipeline
         built over a one-page pool (the state does not depend on the pool's size)."""
-        if not self._use_pipeline():
+        if not self.cfg.sparse.enabled:
             return 0
         sc = dataclasses.replace(self.cfg.sparse, fetch_budget="off")  # no link measurement
         kv = torch.empty(self.model_config.num_layers, self.num_kv_heads, *self.kv_page_shape,
