@@ -58,13 +58,13 @@ class LookaheadRecorder:
             entry = self._pending.pop(key, None)
             # The ws reference held in `entry` keeps id(ws) from being reused by a new request.
             if entry is not None and entry[0] is ws and entry[1] == cached:
-                truth = predicted_blocks(p, ws, layer, q_now, cached, self.ks[-1])
+                truth = ranked_blocks(p, ws, layer, q_now, cached, self.ks[-1])
                 mass = block_attention_mass(p, ws, layer, q_now, cached)
                 self._score(layer, entry[2], truth, mass, p.S, ws.window_start(cached, p.bs))
                 self._log_step(ws, cached, entry[3], entry[2][self.drafter], truth, int(p.history[row, -1]))
-            preds = {self.drafter: predicted_blocks(p, ws, layer, q[2 * row + draft_row], cached + 1, self.ks[-1])}
+            preds = {self.drafter: ranked_blocks(p, ws, layer, q[2 * row + draft_row], cached + 1, self.ks[-1])}
             if "prev" not in preds:
-                preds["prev"] = predicted_blocks(p, ws, layer, q_now, cached + 1, self.ks[-1])
+                preds["prev"] = ranked_blocks(p, ws, layer, q_now, cached + 1, self.ks[-1])
             self._pending[key] = (ws, cached + 1, preds, ws.draft if draft_row else None)
 
     def _log_step(self, ws, cached: int, draft: int | None, pred: torch.Tensor, truth: torch.Tensor,
@@ -122,7 +122,7 @@ class LookaheadRecorder:
         return [float(s / n) if n else float("nan") for s, n in zip(sums, self.steps)]
 
 
-def predicted_blocks(p: LookaheadPipeline, ws, layer: int, query: torch.Tensor, cached: int, k: int) -> torch.Tensor:
+def ranked_blocks(p: LookaheadPipeline, ws, layer: int, query: torch.Tensor, cached: int, k: int) -> torch.Tensor:
     """The predict stage's best-first blocks [Hkv, k] (-1: none) for the step adding token
     `cached`, from the request's summaries in the pipeline (query [Hq, D]). The engine runs
     with a full budget, so its K covers every block and the first k of its ranking are the top-k."""
