@@ -36,7 +36,6 @@ class EngineConfig:
     # Decode role: the remote reads a step asks per (layer, KV head), its best-ranked misses;
     # None: the fetch cap C (what the selection admits a step), 0: every predicted block.
     rpf_want_per_head: int | None = None
-    sparse_pipeline: str = "auto"  # batched, graph-captured sparse decode: auto (on CUDA) | on | off
     # How the pipeline runs its step (grids, stages, streams): not a flag; benchmarks and tests vary it.
     pipeline_tuning: PipelineTuning = field(default_factory=PipelineTuning)
     enable_prefix_caching: bool = True  # share cached leading blocks between requests (vLLM v1's default)
@@ -77,11 +76,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
-        if self.sparse_pipeline not in ("auto", "on", "off"):
-            raise ValueError(f"sparse_pipeline must be auto, on or off, got {self.sparse_pipeline!r}")
-        drafter = drafter_named(self.sparse.drafter)
-        if self.sparse_pipeline == "on" and not drafter.runs_on_pipeline:
-            raise ValueError(f"the {drafter.name} drafter runs on the in-line path only: use --sparse-pipeline off")
+        drafter_named(self.sparse.drafter)  # an unknown name fails here
         if self.tensor_parallel_size > 1:
             self._check_parallel()
         sc = self.sparse

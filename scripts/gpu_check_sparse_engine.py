@@ -3,7 +3,8 @@
 PYTHONPATH=. python3 scripts/gpu_check_sparse_engine.py [--model smollm2-135m] [--prompt-len 2048]
 Dummy weights (no real checkpoint travels to the GPU machine): compares every step's logits
 (relative error) and the greedy tokens, then runs a capped budget three ways (pipeline with
-async scheduling, pipeline synchronous, in-line path): their tokens must agree; then the
+async scheduling, pipeline synchronous, the in-line reference of tests/inline_reference.py):
+their tokens must agree; then the
 prompts in chunks, whose host extents must hold their dense pages' K/V at the conversion.
 """
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 
 from oasiskv.entrypoints.llm import LLM
 from oasiskv.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from inline_reference import inline_llm  # noqa: E402  (the in-line reference the pipeline is checked against)
 from oasiskv.sparse.tuning import STAGE_FORKS, PipelineTuning
 
 
@@ -70,7 +74,6 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--pipeline", default="auto", help="--sparse-pipeline of the full-budget run")
     ap.add_argument("--summary-dtype", default="auto", help="auto (fp8 on CUDA) | kv | fp8")
     ap.add_argument("--attention-splits", type=int, default=None,
                     help="splits of the working-set attention, pipelined and in-line (default: the pipeline's)")
@@ -95,7 +98,7 @@ def main():
     torch.cuda.empty_cache()
     nblocks = -(-(a.prompt_len + a.steps) // 16)
     sparse = LLM(a.model, sparse=True, top_k_blocks=nblocks, sparse_threshold=1024, host_kv_gb=4.0,
-                 sparse_pipeline=a.pipeline, **common)
+                 **common)
     seen = record_logits(sparse)
     t0 = time.perf_counter()
     out = sparse.generate(prompts, params)
@@ -114,8 +117,9 @@ def main():
     # The capped budget through the pipeline (async scheduling, then synchronous) and through the
     # in-line path.
     for mode, sync in (("on", "on"), ("on", "off"), ("off", "off")):
-        llm = LLM(a.model, sparse=True, top_k_blocks=32, sparse_threshold=1024, host_kv_gb=4.0,
-                  sparse_pipeline=mode, async_scheduling=sync, **common)
+        build = LLM if mode == "on" else inline_llm
+        llm = build(model=a.model, sparse=True, top_k_blocks=32, sparse_threshold=1024, host_kv_gb=4.0,
+                    async_scheduling=sync, **common)
         capped[mode, sync] = llm.generate(prompts, params)
         overlapped = max(overlapped, llm.engine.step_stats["overlapped_steps"] if sync == "on" else 0)
         del llm
@@ -125,7 +129,7 @@ def main():
                   for x, y in zip(capped["on", "on"], capped["on", "off"])]
     prefill_copies = check_prefill_copies(a.model, prompts, params, common)
     copies_ok = bool(prefill_copies) and all(ok and before > 0 for before, _, ok in prefill_copies)
-    res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "pipeline": a.pipeline,
+    res = {"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len,
            "summary_dtype": a.summary_dtype,
            "attention_splits": a.attention_splits, "stages_fork": a.stages_fork,
            "max_rel_logit_err_before_tokens_part": max(rel[:first_diff] or [0.0]),

@@ -1,7 +1,7 @@
 """The default model's real weights on the GPU: sparse decode through the batched pipeline on real
-text, against the CPU in-line path and beside random weights of the same shapes.
+text, against the CPU pipeline (stages in order) and beside random weights of the same shapes.
 
-    # here, on CPU: prompts (token ids of real text) and the in-line path's greedy tokens
+    # here, on CPU: prompts (token ids of real text) and the CPU pipeline's greedy tokens
     python scripts/gpu_real_weights.py record --output scripts/real_weights_expected.json
     # on the GPU machine, with the GGUF staged by scripts/gpu_stage_model.sh
     PYTHONPATH=.:.gpu_site python3 scripts/gpu_real_weights.py check --gguf PATH \
@@ -42,7 +42,7 @@ def record(a) -> None:
 
     tok = load_tokenizer(resolve_model(None))
     prompts = [text_tokens(tok, name, n) for name, n in TEXTS]
-    rows = run({"sparse_pipeline": "off", "dtype": "float32"}, prompts, a.max_tokens)
+    rows = run({"dtype": "float32"}, prompts, a.max_tokens)  # the pipeline on CPU, in order
     json.dump({"texts": TEXTS, "sparse": SPARSE, "max_tokens": a.max_tokens, "prompts": prompts,
                "cpu_inline_float32": rows}, open(a.output, "w"))
     for (name, n), r in zip(TEXTS, rows):

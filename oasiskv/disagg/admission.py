@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from safetensors.torch import save as save_tensors
 
 from oasiskv.disagg.remote_reads import RemoteReads, RemoteRequest
 from oasiskv.sparse.summaries import write_block_minmax
+
+if TYPE_CHECKING:
+    from oasiskv.sparse.manager import SparseManager
 
 TRANSFER_MODES = ("rpf", "full")
 
@@ -89,30 +93,32 @@ def held_positions(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.nonzero(blocks >= 0, as_tuple=True)
 
 
-def rpf_admission(request_id: str, seq, ws, kv: torch.Tensor, num_kv_heads: int, step: int) -> Admission:
-    """The RPF admission of a request just converted on the in-line path (`ws` its WorkingSet,
-    `kv` the engine's KV pool [L, slots, 2, bs, D], `step` its sparse manager's step)."""
-    bs = kv.shape[3]
+def rpf_admission(request_id: str, seq, sparse: SparseManager) -> Admission:
+    """The RPF admission of a request just converted by `sparse` (its working set as the
+    conversion laid it out, `SparseManager.working_set_tables`)."""
+    ws, kv, bs = seq.sparse, sparse.kv, sparse.block_size
     n = seq.num_cached_tokens
-    nb = -(-n // bs)
-    layer, head, pos = held_positions(ws.blocks)
-    slots = torch.tensor(ws.pages, dtype=torch.long)[pos] * num_kv_heads + head
+    blocks, last_selected, step = sparse.working_set_tables(ws)
+    layer, head, pos = held_positions(blocks)
+    slots = torch.tensor(ws.pages, dtype=torch.long)[pos] * sparse.Hkv + head
     items = kv[layer.to(kv.device), slots.to(kv.device)].cpu()
-    tensors = {"blocks": ws.blocks.clone(), "last_selected": ws.last_selected.clone(),
-               "kmin": ws.kmin[:, :nb].cpu(), "kmax": ws.kmax[:, :nb].cpu(), "items": items}
+    kmin, kmax = sparse.summaries(ws, -(-n // bs))
+    tensors = {"blocks": blocks.clone(), "last_selected": last_selected.clone(),
+               "kmin": kmin, "kmax": kmax, "items": items}
     return Admission(request_id, "rpf", list(seq.prompt_token_ids), seq.last_token_id, n, bs,
                      ws.draft, step, remote_start=ws.extent.start, remote_stride=ws.extent.max_blocks,
                      tensors=tensors)
 
 
-def full_admission(request_id: str, seq, block_size: int, step: int) -> Admission:
+def full_admission(request_id: str, seq, sparse: SparseManager) -> Admission:
     """The full-transfer admission: where the request's KV lives (its host extent, which the
     decode side reads whole before its first step) and the working set's block choice (a few
     KiB), so the decode side starts from the same working set as RPF."""
     ws, extent = seq.sparse, seq.host_extent
-    tensors = {"blocks": ws.blocks.clone(), "last_selected": ws.last_selected.clone()}
+    blocks, last_selected, step = sparse.working_set_tables(ws)
+    tensors = {"blocks": blocks.clone(), "last_selected": last_selected.clone()}
     return Admission(request_id, "full", list(seq.prompt_token_ids), seq.last_token_id, seq.num_cached_tokens,
-                     block_size, ws.draft, step,
+                     sparse.block_size, ws.draft, step,
                      remote_start=extent.start, remote_stride=extent.max_blocks, tensors=tensors)
 
 

@@ -6,8 +6,9 @@ the HTTP side (`expect_admission`, before the request is added); adding it admit
 blocks it needs from the prefill peer over the transport (`RemoteSource`, `RemoteReads`). A
 request without them is served as usual (colocated). One host arena (`LocalItems`, the model runner's
 `remote_items`: pinned and mapped on CUDA), registered with the transport once, holds the items
-of every admitted request. On CUDA the requests decode batched through the pipeline (its
-disaggregated rows, `RemoteRows`); with --rpf-strict and on CPU, on the in-line path.
+of every admitted request. The requests decode batched through the pipeline (its
+disaggregated rows, `RemoteRows`); with --rpf-strict its steps run eager and in order, each
+layer's selection waiting for its reads (`RemoteSource.read_layer`).
 
 A `full` admission carries no KV: the request waits while its whole KV is read over the
 transport (`FullTransfer`, advanced between steps, so running requests keep decoding), then
@@ -55,9 +56,9 @@ class DecodeEngine(LLMEngine):
         self.store = LocalItems.over(self.runner.remote_items)  # the arena the pipeline reads
         self.transport = transport
         transport.register(self.store.items)
-        # On the pipeline every read and placement happens between steps: the arena may evict.
-        self.reads = RemoteReads(transport, self.store, read_timeout_s, evict=self.runner.pipeline is not None)
-        m.remote = RemoteSource(self.reads, m.L, strict=strict, want_per_head=config.want_per_head())
+        # Every read and placement happens between the pipeline's steps: the arena may evict.
+        self.reads = RemoteReads(transport, self.store, read_timeout_s, evict=True)
+        m.remote = RemoteSource(self.reads, m.L, strict=strict)
         self.link_bytes_per_s = None if link_gbps is None else link_gbps * 1e9 / 8
         self.max_read_bytes = max_read_bytes
         self._transfers: dict[str, FullTransfer] = {}  # request id -> its full transfer, until admitted

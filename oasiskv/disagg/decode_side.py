@@ -1,20 +1,13 @@
 """The decode instance's side of disaggregation (docs/disaggregation.md): admitting a request
 from its prefill's admission, and the source the sparse manager asks for a disaggregated
-working set's blocks (`SparseManager.remote`), on the in-line path and around the batched
-pipeline's steps.
+working set's blocks (`SparseManager.remote`) around the pipeline's steps.
 
-Each step, the predict stage's top-K blocks of every (layer, KV head) are asked of the remote
-table (`RemoteReads.want`). Blocks not local yet are left out of this step's prediction, so the
-working set keeps what it holds, and are read in one batch per prefill peer posted after the
-last layer, under the byte budget. Reads are polled at every layer: a block counts from the
-first layer that asks for it after it lands, the next step at the latest. With
-`strict`, each layer waits for its blocks instead: the working set evolves exactly as it does
-colocated, which makes the tokens equal (tests).
-
-On the pipeline the same happens a step apart: the step's predictions mask the blocks the
-device map (`RemoteRows`) does not hold and list them; after the step the host asks for them
-(`after_pipeline_step`: one read per peer), and before the next it writes the items that
-arrived into the map (`before_pipeline_step`).
+Each step's predictions mask the blocks the device map (`RemoteRows`) does not hold, so the
+working set keeps what it holds, and list them; after the step the host asks for them
+(`after_pipeline_step`: one read per prefill peer, under the byte budget), and before the next
+it writes the items that arrived into the map (`before_pipeline_step`). With `strict`, each
+layer of a step run in order waits for its blocks instead (`read_layer`): the working set
+evolves exactly as it does colocated, which makes the tokens equal (tests).
 """
 from __future__ import annotations
 
@@ -41,56 +34,14 @@ class RemoteSource:
     """`SparseManager.remote` on a decode instance."""
 
     def __init__(self, reads: RemoteReads, num_layers: int, strict: bool = False,
-                 budget_bytes: int | None = None, want_per_head: int = 0):
-        """want_per_head: the best-ranked missing blocks a (layer, KV head) asks for a step
-        (0: all; strict asks for all)."""
+                 budget_bytes: int | None = None):
+        """strict: every layer of a step waits for its missing blocks (`read_layer`); budget_bytes:
+        the reads posted after a step, at most (None: no budget)."""
         self.reads, self.num_layers, self.strict, self.budget_bytes = reads, num_layers, strict, budget_bytes
-        self.want_per_head = want_per_head
 
     @property
     def items(self) -> torch.Tensor:
         return self.reads.store.items
-
-    def available(self, ws: WorkingSet, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        """The predicted blocks [Hkv, K] (-1: none) with those not local yet masked to -1 (strict:
-        read and waited for first)."""
-        self.reads.poll()  # arrived blocks count from the next step; failures are seen at once
-        b = blocks.cpu()
-        heads, cols = torch.nonzero(b >= 0, as_tuple=True)
-        want, head = b[heads, cols].long().numpy(), heads.numpy()
-        if self.strict or not self.want_per_head:
-            local = self.reads.want(ws.remote, layer, want, head)
-        else:  # each head's blocks come best first: ask for its first misses only
-            local = ws.remote.where[layer, want, head] >= 0
-            ask = ~local & (miss_rank(~local, head) <= self.want_per_head)
-            self.reads.want(ws.remote, layer, want[ask], head[ask])
-        if self.strict:
-            self.reads.flush()
-            self.reads.wait()
-            local = ws.remote.where[layer, want, heads.numpy()] >= 0
-        elif layer == self.num_layers - 1:
-            self.reads.flush(self.budget_bytes)
-        if local.all():
-            return blocks
-        out = b.clone()
-        out[heads[~torch.from_numpy(local)], cols[~torch.from_numpy(local)]] = -1
-        return out.to(blocks.device)
-
-    def item_index(self, ws: WorkingSet, layer: int, blocks: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """Local items of (layer, block, head): only blocks `available` let through come here."""
-        idx = ws.remote.where[layer, blocks.numpy(), heads.numpy()]
-        if (idx < 0).any():
-            raise RuntimeError("a block admitted to the working set is not local")
-        return torch.from_numpy(idx)
-
-    def write_block(self, ws: WorkingSet, block: int, kv: torch.Tensor) -> None:
-        """The write-through of a block the decode side completed: kv [L, Hkv, 2, bs, D]."""
-        L, H = kv.shape[:2]
-        local = self.reads.place(ws.remote, np.arange(L)[:, None], block, np.arange(H)[None, :])
-        if local is None:  # this request ends after the step; the others go on
-            self.reads.fail_request(ws.remote, HostArenaFull(ws.remote.peer, ARENA_FULL))
-            return
-        self.items[torch.from_numpy(local.reshape(L * H))] = kv.reshape(L * H, *kv.shape[2:]).to(self.items.device)
 
     def release(self, ws: WorkingSet) -> None:
         self.reads.release(ws.remote)
@@ -98,8 +49,11 @@ class RemoteSource:
     # ---- around a pipeline step ---------------------------------------------------------
     def before_pipeline_step(self, pipeline, seqs: list[Sequence]) -> None:
         """Reads that settled, and local items for every block the step completes (its
-        write-through goes there: `copy_mapped`), into the device map, on the step's stream."""
+        write-through goes there: `copy_mapped`), into the device map, on the step's stream.
+        Strict: every layer of the step reads its missing blocks before its selection."""
         self.reads.poll()
+        if self.strict:  # every predicted block that is not local is read (no per-head limit)
+            pipeline.layer_reads, pipeline.remote.want_per_head = self.read_layer, 0
         bs, H = pipeline.bs, pipeline.H
         for s in seqs:
             req, n = s.sparse.remote, s.num_tokens - 1  # the step adds the token at position n
@@ -108,6 +62,10 @@ class RemoteSource:
             if self.reads.place(req, np.arange(self.num_layers)[:, None], n // bs, np.arange(H)[None, :]) is None:
                 # its write-through skips unmapped items; it ends after the step
                 self.reads.fail_request(req, HostArenaFull(req.peer, ARENA_FULL))
+        self.map_arrived(pipeline)
+
+    def map_arrived(self, pipeline) -> None:
+        """Items that became local since the last call, into the pipeline's device map."""
         parts = []
         for row, ws in enumerate(pipeline.owners):
             req = ws.remote
@@ -121,9 +79,28 @@ class RemoteSource:
         if parts:
             pipeline.remote.update_map(*(np.concatenate(x) for x in zip(*parts)))
 
+    def read_layer(self, pipeline, layer: int) -> bool:
+        """Strict (`LookaheadPipeline.layer_reads`, steps in order): layer l's predicted blocks
+        that are not local are read now and waited for, then mapped, so the working set evolves
+        as it does colocated. Returns whether any was missing (the layer is predicted again)."""
+        self.reads.poll()
+        H = pipeline.H
+        wanted = pipeline.remote.wanted[:pipeline.B * H, layer].cpu().numpy()  # [rows * Hkv, K]
+        line, k = np.nonzero(wanted >= 0)
+        if not len(line):
+            return False
+        row = line // H
+        for r in np.unique(row):
+            at = row == r
+            self.reads.want(pipeline.owners[r].remote, layer, wanted[line[at], k[at]], line[at] % H)
+        self.reads.flush()
+        self.reads.wait()
+        self.map_arrived(pipeline)
+        return True
+
     def after_pipeline_step(self, pipeline) -> None:
         """The step's wanted blocks (read with its tokens) asked for, one call per row (the
-        flush takes them layer by layer, as the in-line path asks), and posted: one read per
+        flush takes them layer by layer), and posted: one read per
         peer, under the byte budget. Rows whose peer has a read in flight ask nothing (none
         would be posted), and when that is every row the step's wanted are not even read."""
         self.reads.poll()
@@ -137,14 +114,6 @@ class RemoteSource:
             if req is not None and req.peer not in busy:
                 self.reads.want(req, layer[seg], block[seg], head[seg])
         self.reads.flush(self.budget_bytes)
-
-
-def miss_rank(missing: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """1-based rank of each missing entry among the missing ones of its group (`group`
-    ascending, each group's entries in order)."""
-    count = np.cumsum(missing)
-    first = np.searchsorted(group, group, side="left")
-    return count - (count[first] - missing[first])
 
 
 def request_max_blocks(engine, adm: Admission, params: SamplingParams) -> int:

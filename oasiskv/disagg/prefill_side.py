@@ -10,12 +10,12 @@ from oasiskv.disagg.leases import LeaseTable
 
 def hand_over(sparse, seq, leases: LeaseTable, peer: str, mode: str = "rpf",
               peer_metadata: str = "") -> Admission:
-    """The admission of `seq`, just converted by `sparse` (its SparseManager, in-line path),
+    """The admission of `seq`, just converted by `sparse` (its SparseManager),
     for the decode instance `peer`; its extent is leased to that peer from now on."""
     if mode == "rpf":
-        adm = rpf_admission(seq.request_id, seq, seq.sparse, sparse.kv, sparse.Hkv, sparse.step)
+        adm = rpf_admission(seq.request_id, seq, sparse)
     else:
-        adm = full_admission(seq.request_id, seq, sparse.block_size, sparse.step)
+        adm = full_admission(seq.request_id, seq, sparse)
     adm.peer_metadata = peer_metadata
     adm.lease_ttl_s = leases.grant(seq.request_id, peer)
     seq.host_extent = None  # the engine's release leaves the extent to the lease

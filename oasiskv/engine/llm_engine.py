@@ -258,8 +258,8 @@ class LLMEngine:
         after the step: `ahead` = 1 for the step after the one in flight), or a batch whose
         requests all decode sparse through the pipeline (their next drafts are chosen on the
         device). A dense batch with grammars overlaps too: its sampling waits for the step before
-        (`InFlight.sample`). Mixed batches, conversions, the in-line sparse path, grammars on
-        pipeline rows (sampled inside the captured step), logits processors and penalties (which
+        (`InFlight.sample`). Mixed batches, conversions, grammars on pipeline rows (sampled inside
+        the captured step), logits processors and penalties (which
         look at the tokens so far) and logprobs (read back every step) take the synchronous path."""
         if any(s.params.logits_processors or s.params.has_penalties or s.params.logprobs is not None
                for s in seqs):

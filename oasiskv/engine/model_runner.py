@@ -24,12 +24,11 @@ from oasiskv.kernels import cudnn_prefill, paged_prefill
 from oasiskv.layers.attention import AttentionMetadata, PrefillChunk, prefill_table
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import ModelSource, iter_weights, resolve_model, skip_weight_init
-from oasiskv.sparse.drafters import drafter_named
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.host_pool import HostKVPool, PinnedOnUse
 from oasiskv.sparse.pipeline import LookaheadPipeline, PipelineTiming
 from oasiskv.sparse.remote_rows import RemoteRows
-from oasiskv.sparse.step_hooks import SparseStepHooks
+from oasiskv.sparse.query_recorder import QueryRecorder
 from oasiskv.sparse.streamed_prefill import StreamedChunk
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,10 +68,10 @@ class ModelRunner:
         self.kv_caches = list(self.kv.unbind(0))
         sc = cfg.sparse
         self.sparse = SparseManager(sc, mc, self.kv, self.block_size) if sc.enabled else None
-        self.pipeline = None
+        self.pipeline = None  # sparse decode's step (docs/design.md), when sparse decode is on
         # A decode instance's arena of received items (`disagg.LocalItems` hands it out).
         self.remote_items = self._remote_items() if self.sparse is not None else None
-        if self._use_pipeline():
+        if self.sparse is not None:
             self.pipeline = self._build_pipeline(sc, self.kv, self.sparse.host, self.remote_items.tensor
                                                  if self.remote_items is not None else None)
             self.sparse.pipeline = self.pipeline
@@ -131,15 +130,6 @@ class ModelRunner:
         model.load_weights(iter_weights(self.source, self.dtype, device=self.device))
         return model.eval().requires_grad_(False)
 
-    def _use_pipeline(self) -> bool:
-        """Sparse decode runs through the batched pipeline (docs/design.md: GPU-resident state, stages
-        on side streams, one CUDA graph per step) on CUDA; the in-line per-request path stays for
-        the drafters that do not run on the pipeline and as the reference on CPU."""
-        mode = self.cfg.sparse_pipeline
-        if not self.cfg.sparse.enabled or mode == "off":
-            return False
-        return mode == "on" or (self.device.type == "cuda" and drafter_named(self.cfg.sparse.drafter).runs_on_pipeline)
-
     def _build_pipeline(self, sc, kv: torch.Tensor, host: HostKVPool, remote_items: torch.Tensor | None,
                         ) -> LookaheadPipeline:
         """The batched pipeline over the pool `kv`, with rows for --max-num-seqs requests; on a
@@ -158,7 +148,7 @@ class ModelRunner:
         decode instance the item maps of its disaggregated rows: set --max-num-seqs to what it
         decodes at once), which the KV budget holds besides the pages: measured on a pipeline
         built over a one-page pool (the state does not depend on the pool's size)."""
-        if not self._use_pipeline():
+        if not self.cfg.sparse.enabled:
             return 0
         sc = dataclasses.replace(self.cfg.sparse, fetch_budget="off")  # no link measurement
         kv = torch.empty(self.model_config.num_layers, self.num_kv_heads, *self.kv_page_shape,
@@ -279,7 +269,7 @@ class ModelRunner:
                 if seq.num_cached_tokens + n == seq.num_tokens and self.sparse.should_convert(seq, seq.num_tokens):
                     record[c.start + n - 1] = self.sparse_runner.record_query(seq)
             if record:
-                meta.hooks = SparseStepHooks(self.sparse, [], 1, self.sparse.drafter, record_rows=record)
+                meta.hooks = QueryRecorder(record)
         return self._h2d(np.concatenate(ids)), self._h2d(positions), meta, logits_rows, prompt_rows
 
     def run_streamed_prefill(self, seq: Sequence, ids: torch.Tensor, positions: torch.Tensor,
@@ -307,8 +297,6 @@ class ModelRunner:
     def prepare_decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None):
         """ids: the input tokens already on the device (async scheduling: the last step's
         samples, not yet read by the host); default: each sequence's newest token."""
-        if self.needs_sparse_step(seqs):
-            return self.sparse_runner.prepare_mixed_decode(seqs)
         B, Hkv = len(seqs), self.num_kv_heads
         positions = np.array([s.num_tokens - 1 for s in seqs], dtype=np.int64)
         pages = np.array([s.pages[p // self.block_size] for s, p in zip(seqs, positions)], dtype=np.int64)
@@ -325,6 +313,10 @@ class ModelRunner:
         cache_lens = pos.int()[:, None].expand(B, Hkv).contiguous()
         meta = AttentionMetadata(write_slots=slots, write_offsets=offsets, slot_tables=slot_tables,
                                  cache_lens=cache_lens, query_len=1)
+        if self.sparse is not None:  # requests that convert after this step record their query
+            record = {b: self.sparse_runner.record_query(s) for b, s in enumerate(seqs)
+                      if self.sparse.should_convert(s, s.num_tokens)}
+            meta.hooks = QueryRecorder(record) if record else None
         if ids is None:
             ids = on_device([s.last_token_id for s in seqs], self.device)
         return ids, pos, meta
@@ -354,8 +346,6 @@ class ModelRunner:
                              if s.num_cached_tokens + n == s.num_tokens]
         elif self.pipeline is not None and any(s.sparse is not None for s in batch.seqs):
             return self.run_with_pipeline(batch.seqs)
-        elif self.needs_sparse_step(batch.seqs):
-            return self.sparse_runner.run_sparse_decode(batch.seqs)
         else:
             hidden = self.run_decode(batch.seqs)
             sampling_seqs = batch.seqs
@@ -389,20 +379,13 @@ class ModelRunner:
         tokens = sample_requests(logits, seqs)
         return tokens, *to_host(tokens)
 
-    def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
-        """The batch takes the two-row sparse path (`SparseRunner.needs_sparse_step`)."""
-        return self.sparse_runner is not None and self.sparse_runner.needs_sparse_step(seqs)
-
     def run_with_pipeline(self, seqs: list[Sequence]) -> list[int]:
         """Sparse requests step through the pipeline; dense ones (if any) through the dense path."""
         sparse = [s for s in seqs if s.sparse is not None]
         dense = [s for s in seqs if s.sparse is None]
         tokens = {}
         if dense:
-            if self.needs_sparse_step(dense):  # one of them converts after this step
-                got = self.sparse_runner.run_sparse_decode(dense)
-            else:
-                got = sample_requests(self.model.compute_logits(self.run_decode(dense)), dense).tolist()
+            got = sample_requests(self.model.compute_logits(self.run_decode(dense)), dense).tolist()
             tokens.update(zip(map(id, dense), got))
         tokens.update(zip(map(id, sparse), self.sparse_runner.run_pipeline_decode(sparse)))
         return [tokens[id(s)] for s in seqs]
@@ -419,7 +402,7 @@ class ModelRunner:
         ids, positions, meta = self.prepare_decode(seqs, ids)
         B = len(seqs)
         bucket = next((b for b in sorted(self.graphs) if b >= B), None)
-        if bucket is None:
+        if bucket is None or meta.hooks is not None:  # (a step that records queries runs eager)
             return self.model(ids, positions, self.kv_caches, meta)
         s = self.static
         s["ids"][:B].copy_(ids)

@@ -1,11 +1,9 @@
-"""The sparse half of the model runner: decode steps of batches that hold sparse requests.
-
-Two paths (docs/design.md): the batched lookahead pipeline (`launch_pipeline_decode`:
-GPU-resident state of every sparse request, one captured step) and the in-line per-request path
-(`run_sparse_decode`: the reference on CPU, and the drafters that do not run on the pipeline).
-Both run two query rows per request, the token and its lookahead draft, and pick the next draft
-the same way (`_lookahead_samples`). `ModelRunner` holds one `SparseRunner` when sparse decode
-is on and hands it the batches that need it.
+"""The sparse half of the model runner: decode steps of the sparse requests, through the
+lookahead pipeline (docs/design.md: device-resident state of every sparse request, the stages on
+side streams and one CUDA graph per step on CUDA, in order on CPU). A step runs two query rows
+per request, the token and its lookahead draft, and picks the next draft on the device
+(`_lookahead_samples`, `LookaheadPipeline.advance_drafts`). `ModelRunner` holds one
+`SparseRunner` when sparse decode is on and hands it the batches that need it.
 """
 from __future__ import annotations
 
@@ -16,24 +14,21 @@ import torch
 
 from oasiskv.engine.sampler import draw_noise, on_device, read_host, sample_requests, to_host
 from oasiskv.engine.sequence import Sequence
-from oasiskv.layers.attention import AttentionMetadata
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.sparse.decode_step import SparseDecodeStep
-from oasiskv.sparse.drafters import Drafter, next_draft
+from oasiskv.sparse.drafters import Drafter
 from oasiskv.sparse.manager import SparseManager
 from oasiskv.sparse.pipeline import LookaheadPipeline
-from oasiskv.sparse.step_hooks import SparseRow, SparseStepHooks
 
 log = logging.getLogger(__name__)
 
 
 class SparseRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], manager: SparseManager,
-                 pipeline: LookaheadPipeline | None, graph_buckets: list[int], use_graph: bool,
+                 pipeline: LookaheadPipeline, graph_buckets: list[int], use_graph: bool,
                  attention_splits: int | None):
-        """manager: the requests' sparse state and the in-line stages; pipeline: the batched one,
-        if sparse requests decode through it; graph_buckets: the batch sizes a captured step is
-        built for; use_graph: pipeline steps replay CUDA graphs; attention_splits: the decode
+        """manager: the requests' sparse state outside the step; pipeline: the step itself;
+        graph_buckets: the batch sizes a captured step is built for; use_graph: pipeline steps replay CUDA graphs; attention_splits: the decode
         kernel's splits over a batch of working sets alone (`PipelineTuning.attention_splits`)."""
         self.model, self.kv_caches, self.manager, self.pipeline = model, kv_caches, manager, pipeline
         self.model_config = manager.mc  # the rank's shard above tensor-parallel size 1
@@ -55,81 +50,6 @@ class SparseRunner:
     def take_conversions(self) -> list[tuple[Sequence, torch.Tensor]]:
         pending, self.pending_conversions = self.pending_conversions, []
         return pending
-
-    def needs_sparse_step(self, seqs: list[Sequence]) -> bool:
-        """A batch takes the two-row sparse path only if a request in it is sparse or converts
-        after this step; otherwise it is a plain dense step (CUDA graphs, one row each)."""
-        m = self.manager
-        return any(s.sparse is not None or m.should_convert(s, s.num_tokens) for s in seqs)
-
-    def prepare_mixed_decode(self, seqs: list[Sequence]):
-        """Dense and sparse requests in one batch: two query rows per request (the token and
-        its lookahead draft; a dense request's second row is padding), per-layer slot tables."""
-        m, L, H, bs, Q = self.manager, self.model_config.num_layers, self.num_kv_heads, self.block_size, 2
-        B = len(seqs)
-        width = max(m.cfg.working_set_blocks if s.sparse else len(s.pages) for s in seqs)
-        slot_tables = torch.zeros(L, B, H, width, dtype=torch.int32)
-        cache_lens = torch.zeros(L, B, H, dtype=torch.int32)
-        ids, pos, wslots, woffs, rows, record = [], [], [], [], [], {}
-        heads = torch.arange(H)
-        last_pos = self.model_config.max_position_embeddings - 1
-        for b, s in enumerate(seqs):
-            n, tok = s.num_tokens - 1, s.last_token_id
-            draft = s.sparse.draft if s.sparse is not None and s.sparse.draft is not None else tok
-            ids += [tok, draft]
-            pos += [n, min(n + 1, last_pos)]
-            woffs += [n % bs, 0]
-            if s.sparse is None:
-                page = s.pages[n // bs]
-                wslots += [[page * H + h for h in range(H)], [-1] * H]
-                pt = torch.tensor(s.pages)
-                slot_tables[:, b, :, :len(s.pages)] = (pt[None, :] * H + heads[:, None]).int()
-                cache_lens[:, b] = n
-                if m.should_convert(s, n + 1):
-                    record[b * Q] = self.record_query(s)
-            else:
-                m.start_token(s.sparse, n)
-                wslots += [m.write_slots(s.sparse, n), [-1] * H]
-                st, cl = m.attention_tables(s.sparse, n)
-                slot_tables[:, b, :, :st.shape[-1]] = st
-                cache_lens[:, b] = cl
-                rows.append(SparseRow(b, s.sparse, n))
-        dev = self.device
-        meta = AttentionMetadata(
-            write_slots=torch.tensor(wslots, dtype=torch.int32, device=dev),
-            write_offsets=torch.tensor(woffs, dtype=torch.int32, device=dev),
-            slot_tables=slot_tables.to(dev), cache_lens=cache_lens.to(dev), query_len=Q,
-            num_splits=self.attention_splits if width == m.cfg.working_set_blocks else None,
-            hooks=SparseStepHooks(m, rows, Q, m.drafter, record_rows=record))
-        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
-
-    def run_sparse_decode(self, seqs: list[Sequence]) -> list[int]:
-        """One decode step of a batch holding sparse requests (eager; in-line prefetch)."""
-        m = self.manager
-        m.step += 1
-        ids, positions, meta = self.prepare_mixed_decode(seqs)
-        if meta.hooks.rows:  # the in-line path's bytes and hits are counted as each layer applies them
-            m.count_step({})
-        hooks, Q = meta.hooks, meta.query_len
-        if hooks.drafter.first_pass and hooks.rows:
-            # A first pass finds the next token, the second uses it as draft.
-            hooks.prefetch = False
-            hidden = self.model(ids, positions, self.kv_caches, meta)
-            tokens = sample_requests(self.model.compute_logits(hidden[::Q]), seqs).tolist()
-            for r in hooks.rows:
-                ids[r.batch_index * Q + 1] = tokens[r.batch_index]
-                r.ws.draft = tokens[r.batch_index]
-            hooks.prefetch, hooks.record_rows = True, {}
-            self.model(ids, positions, self.kv_caches, meta)
-            guesses = [None] * len(seqs)  # the draft is set by the first pass
-        else:
-            hidden = self.model(ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden)
-            tokens, guesses = self._sample_with_lookahead(seqs, logits[::Q], logits[1::Q], ids[1::Q])
-        for r in hooks.rows:
-            m.write_through(r.ws, r.cached)
-            self._advance(r.ws, hooks.drafter, tokens[r.batch_index], guesses[r.batch_index])
-        return tokens
 
     def run_pipeline_decode(self, seqs: list[Sequence]) -> list[int]:
         """One step of the sparse requests through the pipeline, waiting for its tokens."""
@@ -188,9 +108,20 @@ class SparseRunner:
         active = torch.zeros(bucket, dtype=torch.bool, device=dev)
         active.index_fill_(0, rows, True)  # (`active[rows] = True` copies the scalar from the host: a sync)
         p.active[:bucket].copy_(active)
+        oracle = self.manager.drafter.first_pass
+        if oracle:  # a first pass finds the true next tokens; the step sends them as its drafts
+            hidden = step.first_pass(row_ids.view(-1))
+            truth = sample_requests(self.model.compute_logits(hidden.view(bucket, 2, -1)[rows, 0]), seqs)
+            ids = torch.stack([ids[:, 0], truth], 1)
+            row_ids[rows] = ids
+            for s, tok in zip(seqs, truth.tolist()):  # (read back: evaluation only)
+                s.sparse.draft = tok
         hidden = step.run(row_ids.view(-1))
-        logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
-        tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2], ids[:, 1])
+        if oracle:
+            tokens = guesses = truth
+        else:
+            logits = self.model.compute_logits(hidden.view(bucket, 2, -1)[rows].flatten(0, 1))
+            tokens, guesses = self._lookahead_samples(seqs, logits[0::2], logits[1::2], ids[:, 1])
         drafts = p.advance_drafts(self.manager.drafter.name, rows, ids[:, 1], tokens, guesses)
         pairs = torch.stack([tokens, drafts], 1)
         if p.remote is not None:  # its wanted blocks, covered by the read of the pairs below
@@ -230,21 +161,6 @@ class SparseRunner:
         if drafter.sends_draft_token:
             ws.stats.drafts += 1
             ws.stats.drafts_accepted += int(ws.draft == tok)
-
-    @classmethod
-    def _advance(cls, ws, drafter: Drafter, tok: int, guess: int | None) -> None:
-        """After an in-line step: count it, then pick the next draft on the host (a first
-        pass's drafter finds its own instead)."""
-        cls._count_step(ws, drafter, tok)
-        ws.history.append(tok)
-        if not drafter.first_pass:
-            ws.draft = next_draft(drafter.name, ws.history, ws.draft, tok, guess)
-
-    def _sample_with_lookahead(self, seqs: list[Sequence], token_logits: torch.Tensor,
-                               draft_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], list[int]]:
-        """`_lookahead_samples`, read back to the host in one copy."""
-        tokens, guesses = torch.stack(self._lookahead_samples(seqs, token_logits, draft_logits, drafts)).tolist()
-        return tokens, guesses
 
     def _lookahead_samples(self, seqs: list[Sequence], token_logits: torch.Tensor,
                            draft_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,9 +57,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--summary-dtype", default="auto", choices=["auto", "kv", "fp8"],
                     help="block min/max summaries: fp8 e4m3 (half the bytes each step scans), kv (the KV "
                          "dtype), or auto (fp8 on CUDA, kv elsewhere)")
-    sp.add_argument("--sparse-pipeline", default="auto", choices=["auto", "on", "off"],
-                    help="batched lookahead pipeline in CUDA graphs (auto: on CUDA for self, ngram, prev); "
-                         "off: the in-line per-request path")
 
 
 def _json_object(text: str) -> dict:
@@ -84,7 +81,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         sparse_threshold=args.sparse_threshold, fetch_ratio=1.0 if args.fetch_all else args.fetch_ratio,
         drafter=args.drafter, host_kv_gb=args.host_kv_gb, summary_dtype=args.summary_dtype,
         fetch_budget=getattr(args, "fetch_budget", "auto"),
-        sparse_pipeline=args.sparse_pipeline,
         enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         distributed_timeout_s=getattr(args, "distributed_timeout_s", 300.0))

@@ -49,16 +49,19 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
 
 def role_config(config: EngineConfig, role: str, strict: bool = False) -> EngineConfig:
     """A role server decodes sparse, one step at a time (the host reads each step's wanted
-    blocks before the next). A decode server runs the batched pipeline where the engine would
-    (CUDA), and the in-line path with --rpf-strict (each layer waits for its reads) and on CPU;
-    a prefill server hands its requests over from the in-line working set right after their
-    conversion (they never decode there)."""
+    blocks before the next); a prefill server hands its requests over right after their
+    conversion (they never decode there). With --rpf-strict a decode server's steps run eager
+    and their stages in order, each layer's selection waiting for its reads
+    (`RemoteSource.read_layer`)."""
     if role == "both":
         return config
     if config.tensor_parallel_size != 1:
         raise ValueError("--role prefill|decode runs with --tensor-parallel-size 1")
-    pipeline = config.sparse_pipeline if role == "decode" and not strict else "off"
-    return dataclasses.replace(config.with_sparse(enabled=True), sparse_pipeline=pipeline, async_scheduling="off")
+    config = dataclasses.replace(config.with_sparse(enabled=True), async_scheduling="off")
+    if role == "decode" and strict:
+        in_order = dataclasses.replace(config.pipeline_tuning, background=False)
+        config = dataclasses.replace(config, pipeline_tuning=in_order, enforce_eager=True)
+    return config
 
 
 def make_transport(kind: str, host: str):

@@ -94,8 +94,8 @@ class ServerMetrics:
                                           "token the step then produced.")
         self.sparse_stall = add(Counter, "sparse_pipeline_stall_seconds", "Time the decode steps of finished "
                                 "sparse requests waited at the end of the step for the prefetch pipeline's "
-                                "streams, summed per request (CUDA pipeline only; the in-line path on CPU runs "
-                                "its stages inside the step and reports 0).")
+                                "streams, summed per request (CUDA only; on CPU the pipeline runs its stages "
+                                "in order inside the step and reports 0).")
         # Every sparse decode step, overlapped ones too (its figures are read with its tokens).
         self.step_counters = {key: add(Counter, name, doc) for key, name, doc in (
             ("steps", "sparse_decode_steps", "Decode steps that ran sparse requests."),

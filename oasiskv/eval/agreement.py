@@ -37,7 +37,10 @@ def full_budget_config(args, base, drafter: str):
     blocks = math.ceil((args.context_len + args.steps + 4) / base.block_size)
     sparse = base.with_sparse(enabled=True, drafter=drafter, top_k_blocks=max(blocks, max(args.ks)), fetch_ratio=1.0,
                               sparse_threshold=min(base.sparse.sparse_threshold, args.context_len))
-    return replace(sparse, max_model_len=base.max_model_len or args.context_len + args.steps + 16)
+    # The recorder observes each layer's stages: the pipeline's steps run eager and in order.
+    in_order = replace(base.pipeline_tuning, background=False)
+    return replace(sparse, max_model_len=base.max_model_len or args.context_len + args.steps + 16,
+                   pipeline_tuning=in_order, enforce_eager=True)
 
 
 def record_drafter(args, base, drafter: str, prompts_of) -> dict:
@@ -48,11 +51,11 @@ def record_drafter(args, base, drafter: str, prompts_of) -> dict:
 
     llm = LLM.from_config(full_budget_config(args, base, drafter))
     prompts = prompts_of(llm.tokenizer)
-    manager = llm.engine.runner.sparse
+    pipeline = llm.engine.runner.pipeline
     out = {}
     for mode in MODES:
         rec = LookaheadRecorder(llm.engine.runner.model_config.num_layers, args.ks, drafter)
-        manager.observers[:] = [rec]
+        pipeline.observers[:] = [rec]
         # +2: the first token comes from the (dense) prefill, the first sparse step has no
         # earlier prediction to check; then `steps` checked predictions per text.
         params = [SamplingParams(temperature=0 if mode == "greedy" else args.temperature,
@@ -62,7 +65,7 @@ def record_drafter(args, base, drafter: str, prompts_of) -> dict:
         acc = [o.stats["draft_acceptance"] for o in outs if o.stats.get("draft_acceptance") is not None]
         out[mode] = (rec, sum(acc) / len(acc) if acc else None)
         print(f"{drafter:>7} {mode}: {int(rec.steps[0])} predictions per layer checked", flush=True)
-    manager.observers[:] = []
+    pipeline.observers[:] = []
     return out
 
 

@@ -5,11 +5,11 @@
 - `ondemand`: no lookahead; each layer retrieves its blocks with the current token's query
   before its attention, on the critical path (Quest-style retrieval).
 
-Both run on the in-line path only; the package root imports this module, so `--drafter oracle`
-works wherever an engine is configured.
+Both are modes of the pipeline's step (eager: evaluation only): the oracle's first pass is
+`SparseDecodeStep.first_pass`, on-demand retrieval `LookaheadPipeline.on_demand`. The package
+root imports this module, so `--drafter oracle` works wherever an engine is configured.
 """
 from oasiskv.sparse.drafters import Drafter, register
 
-register(Drafter("oracle", sends_draft_token=True, runs_on_pipeline=False, first_pass=True,
-                 runs_with_tensor_parallel=False))
-register(Drafter("ondemand", sends_draft_token=False, runs_on_pipeline=False, retrieves_on_demand=True))
+register(Drafter("oracle", sends_draft_token=True, first_pass=True, runs_with_tensor_parallel=False))
+register(Drafter("ondemand", sends_draft_token=False, retrieves_on_demand=True))

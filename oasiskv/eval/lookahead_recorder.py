@@ -1,8 +1,8 @@
 """What the lookahead predicts against what the next step really needs, recorded per layer
 inside the running sparse engine (the measurement behind `oasiskv eval agreement`).
 
-Installed as an observer of the `SparseManager`, it runs after each layer's sparse work of a
-decode step. For a sparse request, at the step adding the token at position n:
+Installed as an observer of the `LookaheadPipeline` (steps in order), it runs after each
+layer's stages of a decode step. For a sparse request, at the step adding the token at position n:
   P[drafter] = the predict stage's top-K from the draft row's query for the step adding
                position n+1 (the current token's query for `prev`): what the engine used;
   P[prev]    = the same from the current token's query (the previous-token proxy), measured
@@ -18,8 +18,15 @@ selection of K could do), and each prediction.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+from oasiskv.sparse.block_scores import score_topk
+
+if TYPE_CHECKING:
+    from oasiskv.sparse.pipeline import LookaheadPipeline
 
 
 class LookaheadRecorder:
@@ -39,29 +46,31 @@ class LookaheadRecorder:
         self._open: dict[tuple[int, int], dict] = {}  # (id(ws), cached) -> the entry being filled
         self._runs: dict[int, tuple] = {}  # id(ws) -> (ws, index of its last checked step)
 
-    def __call__(self, layer: int, q: torch.Tensor, hooks) -> None:
-        m, Q = hooks.manager, hooks.query_len
-        draft_row = 1 if hooks.drafter.sends_draft_token else 0
-        for r in hooks.rows:
-            q_now = q[r.batch_index * Q]
-            key = (id(r.ws), layer)
+    def __call__(self, p: LookaheadPipeline, layer: int, q: torch.Tensor) -> None:
+        """After layer l's stages: q [2 * rows, Hq, D], the token and draft rows of each pipeline row."""
+        draft_row = 1 if p.drafted else 0
+        active = p.active[:len(p.owners)].tolist()
+        for row, ws in enumerate(p.owners):
+            if not active[row]:
+                continue
+            cached, q_now = int(p.cached[row]), q[2 * row]
+            key = (id(ws), layer)
             entry = self._pending.pop(key, None)
             # The ws reference held in `entry` keeps id(ws) from being reused by a new request.
-            if entry is not None and entry[0] is r.ws and entry[1] == r.cached:
-                truth = predicted_blocks(m, r.ws, layer, q_now, r.cached, self.ks[-1])
-                mass = block_attention_mass(m, r.ws, layer, q_now, r.cached)
-                self._score(layer, entry[2], truth, mass, m.cfg.sink_blocks,
-                            r.ws.window_start(r.cached, m.block_size))
-                self._log_step(r.ws, r.cached, entry[3], entry[2][self.drafter], truth)
-            preds = {self.drafter: predicted_blocks(m, r.ws, layer, q[r.batch_index * Q + draft_row],
-                                                    r.cached + 1, self.ks[-1])}
+            if entry is not None and entry[0] is ws and entry[1] == cached:
+                truth = ranked_blocks(p, ws, layer, q_now, cached, self.ks[-1])
+                mass = block_attention_mass(p, ws, layer, q_now, cached)
+                self._score(layer, entry[2], truth, mass, p.S, ws.window_start(cached, p.bs))
+                self._log_step(ws, cached, entry[3], entry[2][self.drafter], truth, int(p.history[row, -1]))
+            preds = {self.drafter: ranked_blocks(p, ws, layer, q[2 * row + draft_row], cached + 1, self.ks[-1])}
             if "prev" not in preds:
-                preds["prev"] = predicted_blocks(m, r.ws, layer, q_now, r.cached + 1, self.ks[-1])
-            self._pending[key] = (r.ws, r.cached + 1, preds, r.ws.draft if draft_row else None)
+                preds["prev"] = ranked_blocks(p, ws, layer, q_now, cached + 1, self.ks[-1])
+            self._pending[key] = (ws, cached + 1, preds, ws.draft if draft_row else None)
 
-    def _log_step(self, ws, cached: int, draft: int | None, pred: torch.Tensor, truth: torch.Tensor) -> None:
-        """Adds one layer's agreement to the step's entry (the step's real token is the last of
-        the request's history by now: the token this step processes)."""
+    def _log_step(self, ws, cached: int, draft: int | None, pred: torch.Tensor, truth: torch.Tensor,
+                  token: int) -> None:
+        """Adds one layer's agreement to the step's entry (token: the real token this step
+        processes, the newest of the row's history)."""
         entry = self._open.get((id(ws), cached))
         if entry is None:
             for done in [k for k in self._open if k[0] == id(ws)]:  # the request's last step
@@ -69,8 +78,7 @@ class LookaheadRecorder:
             seen, before = self._runs.get(id(ws), (None, -1))
             step = before + 1 if seen is ws else 0  # holding ws keeps its id from a new request
             self._runs[id(ws)] = (ws, step)
-            last = ws.history.tail(1) if ws.history is not None else ()
-            right = None if draft is None or not len(last) else draft == int(last[0])
+            right = None if draft is None else draft == token
             entry = self._open[(id(ws), cached)] = {"step": step, "draft_right": right,
                                                     "sums": np.zeros(len(self.ks)), "layers": 0}
         for i, k in enumerate(self.ks):
@@ -114,13 +122,16 @@ class LookaheadRecorder:
         return [float(s / n) if n else float("nan") for s, n in zip(sums, self.steps)]
 
 
-def predicted_blocks(manager, ws, layer: int, query: torch.Tensor, cached: int, k: int) -> torch.Tensor:
+def ranked_blocks(p: LookaheadPipeline, ws, layer: int, query: torch.Tensor, cached: int, k: int) -> torch.Tensor:
     """The predict stage's best-first blocks [Hkv, k] (-1: none) for the step adding token
-    `cached`. The engine runs with a full budget, so its K covers every block and the first
-    k of its ranking are the top-k."""
-    pred = manager.predict(ws, layer, query, cached).blocks
-    assert pred.shape[1] >= k, "the agreement run needs --top-k-blocks >= the largest K measured"
-    return pred[:, :k].cpu()
+    `cached`, from the request's summaries in the pipeline (query [Hq, D]). The engine runs
+    with a full budget, so its K covers every block and the first k of its ranking are the top-k."""
+    dev = p.device
+    ids, _ = score_topk(query[None], p.kmin[layer], p.kmax[layer], p.summary_offset[ws.row:ws.row + 1],
+                        torch.tensor([cached // p.bs + 1], device=dev), p.G, p.K, max_blocks=p.max_blocks,
+                        num_sink=p.S, window_start=torch.tensor([ws.window_start(cached, p.bs)], device=dev))
+    assert p.K >= k, "the agreement run needs --top-k-blocks >= the largest K measured"
+    return ids[0, :, :k].cpu()
 
 
 def overlap(pred: torch.Tensor, truth: torch.Tensor) -> float:
@@ -136,15 +147,14 @@ def covered(mass: torch.Tensor, static: torch.Tensor, blocks: torch.Tensor) -> f
     return float((static + picked.sum(1)).mean())
 
 
-def block_attention_mass(manager, ws, layer: int, query: torch.Tensor, cached: int) -> torch.Tensor:
+def block_attention_mass(p: LookaheadPipeline, ws, layer: int, query: torch.Tensor, cached: int) -> torch.Tensor:
     """[Hkv, blocks] share of the attention of the token at position `cached` (its K/V already
     stored) on each logical block, averaged over the kv group's query heads. Reads the keys
     from the working set, which must hold every block (a full budget). A block may be held
     twice: this layer's prefetch for the next step has already admitted the block about to
     leave the window, which the window ring still holds; each block counts once."""
-    m = manager
-    bs, H, G, D = m.block_size, m.Hkv, m.G, m.D
-    blocks = ws.blocks[layer].long()  # [H, P]
+    bs, H, G, D = p.bs, p.H, p.G, p.D
+    blocks = p.working_set_of(ws, adding=True)[0][layer].long()  # [H, P]
     P = blocks.shape[1]
     # Drop repeats, keeping each block's first position: a position repeats if an earlier one holds its block.
     same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, None, :] >= 0)  # [H, P, P]
@@ -155,10 +165,10 @@ def block_attention_mass(manager, ws, layer: int, query: torch.Tensor, cached: i
     if not bool((held == 1).all()):
         raise ValueError("attention mass needs every block held: run with a full budget")
     pages = torch.tensor(ws.pages)
-    slots = (pages[None, :] * H + torch.arange(H)[:, None]).reshape(-1).to(m.device)
-    keys = m.kv[layer][slots, 0].view(H, P, bs, D).float()
+    slots = (pages[None, :] * H + torch.arange(H)[:, None]).reshape(-1).to(p.device)
+    keys = p.kv[layer][slots, 0].view(H, P, bs, D).float()
     pos = blocks[:, :, None] * bs + torch.arange(bs)
-    valid = ((blocks[:, :, None] >= 0) & (pos <= cached)).to(m.device)  # [H, P, bs]
+    valid = ((blocks[:, :, None] >= 0) & (pos <= cached)).to(p.device)  # [H, P, bs]
     logits = torch.einsum("hgd,hpjd->hgpj", query.float().view(H, G, D), keys) * D ** -0.5
     logits = logits.masked_fill(~valid[:, None], float("-inf"))
     probs = torch.softmax(logits.reshape(H, G, -1), -1).view(H, G, P, bs).sum(-1).mean(1).cpu()

@@ -33,8 +33,8 @@ def prefill_table(chunks: list[PrefillChunk], device: torch.device) -> PrefillTa
 @runtime_checkable
 class AttentionHooks(Protocol):
     """The interface between the model's layers and the sparse machinery: what a sparse decode
-    step does inside each layer (`sparse.step_hooks.SparseStepHooks` on the in-line path,
-    `sparse.pipeline.LookaheadPipeline` on the batched one)."""
+    step does inside each layer (`sparse.pipeline.LookaheadPipeline`), or a dense step whose
+    requests convert after it (`sparse.query_recorder.QueryRecorder`)."""
 
     def summary_fold(self, layer: int) -> SummaryFold | None:
         """The qkv epilogue's fold of the step's keys into the block summaries, if it does one."""

@@ -188,7 +188,7 @@ def score_topk_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       block_tile: int = 64, combine: str = "shifted_max",
                       range_weight: float = RANGE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton scores (bounds, combine), then a sorted top-K over the [R, Hkv, max_blocks] float32
-    scores: the in-line path's prediction, best first. The pipeline uses `score_select`
+    scores: the conversion's and the evaluation's prediction, best first. The pipeline uses `score_select`
     instead, which skips the sort (docs/benchmarks.md, "Kernels alone")."""
     s = score_blocks_triton(q, kmin, kmax, block_offsets, num_blocks, group_size, max_blocks,
                             num_sink, window_start, block_tile, combine=combine,

@@ -48,6 +48,29 @@ class SparseDecodeStep:
         p.cached[:R] += p.active[:R].int()  # the token is in the cache now
         return hidden
 
+    @torch.inference_mode()
+    def first_pass(self, ids: torch.Tensor) -> torch.Tensor:
+        """The step's model run eager with the stages off (`Drafter.first_pass`: the oracle finds
+        the true next tokens with it): ids [rows*2] -> hidden states [rows*2, hidden]. It stores
+        the token's K/V and folds its key, as the step run after it does again (both
+        idempotent), and leaves the step count, the cached tokens and every transfer to that
+        step; the last step's deferred work lands first, so that step's tables keep their
+        write-through."""
+        p = self.pipeline
+        p.flush_deferred()
+        p.B = self.rows
+        self.ids.copy_(ids)
+        prefetch, p.prefetch = p.prefetch, False
+        try:
+            t = p.step_tables(self.max_position)
+            meta = AttentionMetadata(write_slots=t.write_slots, write_offsets=t.write_offsets,
+                                     slot_tables=t.slot_tables, cache_lens=t.cache_lens, query_len=2,
+                                     num_splits=p.tuning.attention_splits, num_stages=p.attention_stages, hooks=p)
+            with self._gemms():
+                return self.model(self.ids, t.positions, self.kv_caches, meta)
+        finally:
+            p.prefetch = prefetch
+
     def _capture(self) -> None:
         p = self.pipeline
         # Warm-up (compiles the kernels outside the capture) with every row inactive, so it

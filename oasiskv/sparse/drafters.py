@@ -16,13 +16,11 @@ class Drafter:
     # A draft row carries d_{t+1} through the model beside the real token (else the current
     # token's own query predicts, and the second row repeats the token).
     sends_draft_token: bool
-    # Decodes through the batched pipeline (else the in-line path only).
-    runs_on_pipeline: bool = True
-    # A first pass of each step finds the draft (the oracle: the true next token), a second
-    # pass decodes with it.
+    # A first pass of each step finds the draft (the oracle: the true next token), the step
+    # decodes with it (`SparseDecodeStep.first_pass`).
     first_pass: bool = False
     # Blocks are retrieved with the current token's query before each layer's attention, on the
-    # critical path, instead of predicted a step ahead.
+    # critical path, instead of predicted a step ahead (`LookaheadPipeline.on_demand`).
     retrieves_on_demand: bool = False
     runs_with_tensor_parallel: bool = True
 

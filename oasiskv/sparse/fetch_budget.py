@@ -14,7 +14,7 @@ and never more than the per-head cap C of the fixed ratio, so an unlimited budge
 exactly what the cap admits. All of it is tensor work with fixed shapes on the select stream,
 inside the captured step; the host only writes the budget's value between steps.
 
-On CPU (the in-line path, e.g. `oasiskv eval passkey` / `eval fidelity`) there is no link to
+On CPU (e.g. `oasiskv eval passkey` / `eval fidelity`) there is no link to
 measure and no foreground is timed: `auto` there is NOMINAL_LINK_BYTES_PER_S x NOMINAL_STEP_S x
 BUDGET_MARGIN (210 MB a step: the H200's measured UVA gather rate beside a decode step of its
 size), which admits what the cap admits unless a step would move more than that; a number of MB

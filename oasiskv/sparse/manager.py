@@ -1,25 +1,15 @@
-"""Sparse decode of long requests: conversion, per-step tables, and the three stages of the
-lookahead pipeline run in line after each layer's attention (docs/design.md):
-
-    predict  (score every block from the summaries with the draft query, top-K per KV head)
-    select   (capped eviction: which predicted blocks come in, which LRU blocks leave)
-    transfer (copy the admitted (layer, block, head) items host -> their GPU slots)
-
-Each stage is a method with explicit inputs and outputs; the CUDA pipeline
-(oasiskv/sparse/pipeline.py) runs the same stages on background streams.
+"""The sparse requests' state outside the decode step (docs/design.md): admission (host
+extents reserved and released), the prefix cache's host tier, and conversion (dense -> sparse:
+full KV to the host pool, summaries, the first working set), after which the request takes a
+row of the lookahead pipeline (`oasiskv/sparse/pipeline.py`), which runs every decode step.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
-from oasiskv.kernels.summary_fold import update_block_minmax
 from oasiskv.sparse.block_scores import score_topk
-from oasiskv.sparse.capped_eviction import EvictionPlan, admission_ranks, capped_eviction
 from oasiskv.sparse.config import MIN_CONTEXT_PER_WORKING_SET, PRESSURE_CONTEXT_PER_WORKING_SET, SparseConfig
-from oasiskv.sparse.fetch_budget import FetchBudget, share_budget
 from oasiskv.sparse.drafters import TokenHistory, drafter_named, next_draft
 from oasiskv.sparse.host_cache import HostHit, HostPrefixCache
 from oasiskv.sparse.host_pool import HostKVPool
@@ -31,24 +21,6 @@ from oasiskv.sparse.working_set import WorkingSet
 
 
 STEP_TOTALS = ("steps", "foreground_s", "stall_s", "bytes", "budget_bytes", "hits", "predicted")
-
-
-@dataclass
-class Prediction:
-    """Output of the predict stage for one (request, layer)."""
-    blocks: torch.Tensor  # [Hkv, K] int32 best first, -1 none
-    window_start: int  # first window block of the step predicted for
-    num_blocks: int  # blocks that exist at that step
-    scores: torch.Tensor | None = None  # [Hkv, K] their scores
-
-
-@dataclass
-class TransferPlan:
-    """Output of the select stage: host items to copy into GPU slots of one layer."""
-    layer: int
-    host_items: torch.Tensor  # [N] indices into the host arena
-    gpu_slots: torch.Tensor  # [N] slots of the layer's KV pool
-    source: torch.Tensor | None = None  # the arena host_items index; None: the host pool's
 
 
 class SparseManager:
@@ -67,25 +39,19 @@ class SparseManager:
                                pin=kv.is_cuda)
         self.item_bytes = 2 * block_size * self.D * self.dtype.itemsize
         self.prefill_copies = PrefillHostCopies(kv, self.host, block_size, self.Hkv)
-        self.cap = cfg.fetch_cap
-        self.step = 0
-        # Read-only callbacks (layer, q, hooks) after each layer's sparse step work; evaluations
-        # (oasiskv.eval.agreement) record predictions through them without touching the step.
-        self.observers: list = []
+        self.step = 0  # what a conversion's LRU stamps count from (its pipeline row restamps them)
         self.pipeline = None  # LookaheadPipeline, when the engine decodes sparse through it
         # On a decode instance (oasiskv.disagg.decode_side.RemoteSource): where the blocks of
-        # working sets with `remote` set live; the in-line path asks it in predict, select,
-        # transfer, write_through and release.
+        # working sets with `remote` set live; it reads them around the pipeline's steps.
         self.remote = None
         # Every sparse decode step's figures, summed (served as counters on /metrics): steps,
-        # foreground and stall seconds (pipeline only), bytes moved, the budget's bytes, hits and
+        # foreground and stall seconds, bytes moved, the budget's bytes, hits and
         # predicted items.
         self.totals = dict.fromkeys(STEP_TOTALS, 0)
         self.num_conversions = 0
         # The conversion's prediction scans this many blocks of every request (at least its
         # own): one width for all, so its kernels compile once, at start-up (`warm_up_conversion`).
         self.scan_blocks = 0
-        self.budget = FetchBudget(cfg.fetch_budget, self.item_bytes, self.L)  # the in-line path's
         self.host_cache: HostPrefixCache | None = None  # the prefix cache's host tier, once enabled
 
     def enable_host_tier(self) -> HostPrefixCache:
@@ -165,14 +131,22 @@ class SparseManager:
         at = slice(ws.summary_offset, ws.summary_offset + num_blocks)
         return self.arena.kmin[:, at].cpu(), self.arena.kmax[:, at].cpu()
 
+    def working_set_tables(self, ws: WorkingSet) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The request's working set as its conversion laid it out (blocks [L, Hkv, P], selection
+        stamps [L, Hkv, K]) and the step the stamps count from: from its pipeline row once it has one."""
+        if ws.row is None:
+            return ws.blocks, ws.last_selected, self.step
+        blocks, last = self.pipeline.working_set_of(ws)
+        return blocks, last, int(self.pipeline.step)
+
     def summary_pages(self, seq) -> int:
         """Pages a request's summaries take when it converts (every block it may reach)."""
         return self.arena.pages_for(seq.host_extent.max_blocks)
 
     def place_summaries(self, ws, kmin: torch.Tensor, kmax: torch.Tensor, run: list[int]) -> None:
         """The request's summaries [L, nb, Hkv, D] into its run of pages (`BlockManager.take_run`),
-        where the working set reads them from (in line: `ws.kmin` and `ws.kmax` become views of
-        the whole run) and the pipeline's kernels address them."""
+        where the pipeline's kernels address them (`ws.kmin` and `ws.kmax` are views of the whole
+        run until the request's pipeline row takes them over)."""
         nb = kmin.shape[1]
         assert len(run) >= self.arena.pages_for(nb) and run == list(range(run[0], run[0] + len(run)))
         ws.summary_offset = self.arena.offset(run[0])
@@ -373,134 +347,3 @@ class SparseManager:
         q = torch.zeros(L, H * self.G, self.D, dtype=query_dtype, device=self.device)
         summaries = torch.zeros(L, M, H, self.D, dtype=self.summary_dtype, device=self.device)
         self._conversion_topk(q, summaries, summaries.clone(), M - 1, max(M - self.cfg.window_blocks, 0))
-
-    # ---- the three stages -----------------------------------------------------------
-    def predict(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int) -> Prediction:
-        """Top-K blocks per KV head for the step that adds token number `cached`.
-
-        query: [Hq, D] post-RoPE (the draft's, or the current token's when no draft token is sent).
-        Sinks and window are always resident, so they are left out of the K.
-        """
-        win = ws.window_start(cached, self.block_size)
-        nb = cached // self.block_size + 1
-        ids, scores = score_topk(query[None], ws.kmin[layer], ws.kmax[layer],
-                            torch.zeros(1, dtype=torch.long, device=self.device),
-                            torch.tensor([nb], device=self.device), self.G, self.cfg.top_k_blocks,
-                            max_blocks=ws.kmin.shape[1], num_sink=self.cfg.sink_blocks,
-                            window_start=torch.tensor([win], device=self.device))
-        blocks = ids[0] if ws.remote is None else self.remote.available(ws, layer, ids[0])
-        return Prediction(blocks, win, nb, scores[0])
-
-    def select(self, ws: WorkingSet, layer: int, pred: Prediction, cap: int,
-               row_cap: torch.Tensor | None = None) -> tuple[EvictionPlan, TransferPlan]:
-        dyn = ws.dynamic
-        plan = capped_eviction(ws.blocks[layer][:, dyn], ws.last_selected[layer], pred.blocks.cpu(),
-                               self.cfg.sink_blocks, torch.full((self.Hkv,), pred.window_start),
-                               cap, self.step, row_cap)
-        heads, cols = torch.nonzero(plan.admit_blocks >= 0, as_tuple=True)
-        blocks = plan.admit_blocks[heads, cols].long()
-        positions = plan.admit_slots[heads, cols].long() + self.cfg.sink_blocks
-        pages = torch.tensor(ws.pages)[positions]
-        gpu_slots = (pages * self.Hkv + heads).to(self.device)
-        if ws.remote is not None:
-            transfer = TransferPlan(layer, self.remote.item_index(ws, layer, blocks, heads), gpu_slots,
-                                    self.remote.items)
-        else:
-            transfer = TransferPlan(layer, self.host.item_index(ws.extent, layer, blocks, heads), gpu_slots)
-        return plan, transfer
-
-    def transfer(self, plan: TransferPlan) -> int:
-        """Host -> GPU copy of the admitted items; returns bytes moved."""
-        if plan.host_items.numel():
-            source = self.host.items if plan.source is None else plan.source
-            self.kv[plan.layer][plan.gpu_slots] = source[plan.host_items].to(self.device, non_blocking=True)
-        return plan.host_items.numel() * self.item_bytes
-
-    def apply(self, ws: WorkingSet, layer: int, plan: EvictionPlan, transferred: int) -> None:
-        ws.blocks[layer][:, ws.dynamic] = plan.resident
-        ws.last_selected[layer] = plan.last_selected
-        st = ws.stats
-        st.predicted += int((plan.hits + plan.missed).sum())
-        st.hits += int(plan.hits.sum())
-        st.admitted += int(plan.admitted.sum())
-        st.evicted += int(plan.evicted.sum())
-        st.bytes_to_device += transferred
-        t = self.totals
-        t["bytes"] += transferred
-        t["hits"] += int(plan.hits.sum())
-        t["predicted"] += int((plan.hits + plan.missed).sum())
-
-    def prefetch(self, ws: WorkingSet, layer: int, query: torch.Tensor, cached: int, cap: int) -> None:
-        """predict -> select -> transfer, in line (the CPU path and the reference for the pipeline)."""
-        pred = self.predict(ws, layer, query, cached)
-        plan, transfer = self.select(ws, layer, pred, cap)
-        self.apply(ws, layer, plan, self.transfer(transfer))
-
-    def prefetch_layer(self, rows: list[tuple[WorkingSet, torch.Tensor, int]], layer: int) -> None:
-        """`prefetch` of one layer for every (working set, query, cached) of a step, the rows
-        sharing the step's transfer budget as the pipeline's select stage shares it
-        (`fetch_budget`): each row's candidates, every row's share, then the admissions."""
-        if not self.budget.enabled or not rows:
-            for ws, query, cached in rows:
-                self.prefetch(ws, layer, query, cached, self.cap)
-            return
-        preds = [self.predict(ws, layer, q, cached) for ws, q, cached in rows]
-        ranks, scores = [], []
-        for (ws, _, _), pred in zip(rows, preds):
-            plan, _ = self.select(ws, layer, pred, self.cap)
-            r, sc = admission_ranks(plan.admit_blocks, pred.blocks.cpu(), pred.scores.float().cpu())
-            ranks.append(r), scores.append(sc)
-        share = share_budget(torch.cat(ranks), torch.cat(scores), self.budget.items_per_layer)
-        for i, ((ws, _, _), pred) in enumerate(zip(rows, preds)):
-            row_cap = share[i * self.Hkv:(i + 1) * self.Hkv]
-            plan, transfer = self.select(ws, layer, pred, self.cap, row_cap)
-            self.apply(ws, layer, plan, self.transfer(transfer))
-
-    # ---- per-step tables and write-through ------------------------------------------
-    def attention_tables(self, ws: WorkingSet, cached: int, layers: slice = slice(None)
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot table [L, H, P] and cached-token counts [L, H] for a step adding token `cached`."""
-        cfg, bs, H = self.cfg, self.block_size, self.Hkv
-        window, partial = ws.window_positions(cached, bs)
-        full_sinks = list(range(min(cfg.sink_blocks, cached // bs)))  # a partial sink comes last, with the window
-        order = full_sinks + list(range(cfg.sink_blocks, cfg.sink_blocks + cfg.top_k_blocks)) + window
-        order_t = torch.tensor(order, dtype=torch.long)
-        valid = ws.blocks[layers][:, :, order_t] >= 0  # [L, H, n]
-        # Valid positions first, in order: full blocks, then the partial window block last.
-        rank = torch.where(valid, torch.arange(len(order))[None, None, :], len(order) + 1)
-        sorted_pos = order_t[rank.argsort(dim=-1, stable=True)]  # [L, H, n]
-        pages = torch.tensor(ws.pages, dtype=torch.long)
-        slots = pages[sorted_pos] * H + torch.arange(H)[None, :, None]
-        count = valid.sum(-1)
-        cache_lens = (count - (1 if partial else 0)) * bs + partial
-        return slots.int(), cache_lens.int()
-
-    def write_slots(self, ws: WorkingSet, cached: int) -> list[int]:
-        """GPU slot of each KV head for the token being added (its block's window position)."""
-        page = ws.pages[ws.position(cached // self.block_size)]
-        return [page * self.Hkv + h for h in range(self.Hkv)]
-
-    def start_token(self, ws: WorkingSet, cached: int) -> None:
-        """Book the new token's block into the window ring (it replaces the oldest window block,
-        already written through to the host)."""
-        b = cached // self.block_size
-        if cached % self.block_size == 0:
-            ws.blocks[:, :, ws.position(b)] = b
-
-    def update_summaries(self, ws: WorkingSet, layer: int, key: torch.Tensor, cached: int) -> None:
-        """key: [H, D] post-RoPE key of the token added at position `cached`."""
-        b = cached // self.block_size
-        update_block_minmax(ws.kmin[layer], ws.kmax[layer], torch.tensor([b], device=self.device),
-                            key[None], torch.tensor([cached % self.block_size == 0], device=self.device))
-
-    def write_through(self, ws: WorkingSet, cached: int) -> None:
-        """After the token at position `cached` is stored: a completed block goes to the host."""
-        if (cached + 1) % self.block_size:
-            return
-        b = cached // self.block_size
-        slots = torch.tensor(self.write_slots(ws, cached), device=self.device)
-        if ws.remote is not None:
-            self.remote.write_block(ws, b, self.kv[:, slots])
-            return
-        items = self.host.extent_items(ws.extent)
-        items[:, b].copy_(self.kv[:, slots].to(items.device))

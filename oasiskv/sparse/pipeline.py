@@ -35,6 +35,7 @@ never needs the host to know which blocks are resident.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -119,13 +120,27 @@ class LookaheadPipeline:
         self.cfg, self.kv, self.host, self.bs, self.tuning = cfg, kv, host, block_size, tuning
         self.L, self.H, self.D, self.G = mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.group_size
         self.S, self.K, self.W = cfg.sink_blocks, cfg.top_k_blocks, cfg.window_blocks
-        self.P, self.C, self.R = cfg.working_set_blocks, cfg.fetch_cap, max_rows
+        drafter = drafter_named(cfg.drafter)
+        # Retrieval on demand (the `ondemand` baseline): each layer's stages run before its
+        # attention, with the current token's query, for this step's blocks, on the critical
+        # path, and admit every predicted block (no cap, no budget, nothing deferred).
+        self.on_demand = drafter.retrieves_on_demand
+        self.P, self.R = cfg.working_set_blocks, max_rows
+        self.C = cfg.top_k_blocks if self.on_demand else cfg.fetch_cap
         self.B = max_rows  # rows a step runs over: the first B (a graph bucket); set per step
         self.owners: list[WorkingSet] = []  # the WorkingSet in each used row; used rows are 0 .. len-1
         self.max_blocks = max_blocks
         self.scan_blocks = max_blocks  # blocks the prediction scans per request (`set_scan`)
-        self.drafted = drafter_named(cfg.drafter).sends_draft_token  # else the current token's query predicts
+        self.drafted = drafter.sends_draft_token  # else the current token's query predicts
         self.remote = remote
+        # Strict remote reads (a decode instance's `RemoteSource.read_layer`, steps in order):
+        # after a layer's prediction masked blocks that are not local, it reads them and waits.
+        self.layer_reads: Callable[[LookaheadPipeline, int], bool] | None = None
+        # Read-only callbacks (pipeline, layer, the step's queries [2B, Hq, D]) after each layer's
+        # stages, in steps run in order: evaluations record predictions through them
+        # (oasiskv.eval.lookahead_recorder) without touching the step.
+        self.observers: list[Callable[[LookaheadPipeline, int, torch.Tensor], None]] = []
+        self.max_position = 0  # the model's, set by each step's tables
         self.bounds_tiling = bounds_tiling(max_blocks)  # blocks per tile, tiles per program, stages
         self.stages_fork = stages_fork(max_blocks, tuning)  # the part of a layer after which its stages start
         dev = self.device = kv.device
@@ -164,7 +179,7 @@ class LookaheadPipeline:
         self.admit_slots = torch.full((L, R * H, self.C), -1, **i32)
         # The transfer budget (`fetch_budget`): what each row would admit, and its share; one
         # layer at a time on the select stream, so one set of buffers serves every layer.
-        self.budget = FetchBudget(cfg.fetch_budget, self.item_bytes, L)
+        self.budget = FetchBudget("off" if self.on_demand else cfg.fetch_budget, self.item_bytes, L)
         self.cand_rank = torch.zeros(R * H, self.C, **i32)
         self.cand_score = torch.zeros(R * H, self.C, dtype=torch.float32, device=dev)
         self.row_cap = torch.zeros(R * H, **i32)
@@ -191,6 +206,8 @@ class LookaheadPipeline:
         # By default on side streams only (in order, on CPU, nothing waits: tests may set it there).
         deferred = tuning.deferred_layers
         self.deferred_layers = min(L, (DEFERRED_LAYERS if self.background else 0) if deferred is None else deferred)
+        if self.on_demand:
+            self.deferred_layers = 0
         self.deferred_done = [torch.cuda.Event() for _ in range(L)] if self.background else []
         # The last step's write-through, kept by the step tables for the step after (deferred).
         self.last_write = WriteThrough(torch.zeros(R, dtype=torch.bool, device=dev),
@@ -314,7 +331,7 @@ class LookaheadPipeline:
         self.bind(row, ws.pages, None if remote_slot >= 0 else ext, ws.summary_offset, remote_slot)
         rows = slice(row * H, (row + 1) * H)
         self.resident[:, rows] = ws.blocks[:, :, S:S + K].to(self.device)
-        # Conversion stamped its blocks with the in-line path's step; restamp them with ours.
+        # Conversion stamped its blocks with the manager's step; restamp them with ours.
         self.last[:, rows] = torch.where(ws.last_selected.to(self.device) >= 0, self.step, -1).int()
         self.cached[row] = cached
         self.active[row] = False
@@ -325,6 +342,21 @@ class LookaheadPipeline:
         ws.blocks = ws.last_selected = ws.kmin = ws.kmax = None  # the pipeline holds them now
         ws.row = row
         self.owners.append(ws)
+
+    def working_set_of(self, ws: WorkingSet, adding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's working set as `SparseManager.convert` lays it out, on the host (a sync):
+        blocks [L, Hkv, P] (sinks, the dynamic blocks, the window ring; -1 empty) and the dynamic
+        blocks' selection stamps [L, Hkv, K] (this pipeline's steps). What a hand-over sends.
+        adding: inside a step, whose token's block counts as held."""
+        row, H, S, K = ws.row, self.H, self.S, self.K
+        n = int(self.cached[row])
+        rows = slice(row * H, (row + 1) * H)
+        blocks = torch.full((self.L, H, self.P), -1, dtype=torch.int32)
+        blocks[:, :, S:S + K] = self.resident[:, rows].cpu()
+        held = n // self.bs + 1 if adding else -(-n // self.bs)  # blocks with a token
+        for b in [*range(min(S, held)), *range(ws.window_start(n, self.bs), held)]:
+            blocks[:, :, ws.position(b)] = b
+        return blocks, self.last[:, rows].long().cpu()
 
     def release(self, ws: WorkingSet) -> list[int]:
         """Free the request's row; the last used row moves into it, so used rows stay a prefix.
@@ -373,8 +405,26 @@ class LookaheadPipeline:
         rows = RowState(self.next_blocks[:B], self.next_window[:B], self.completes[:B], self.window_slot[:B],
                         self.block[:B], self.summary_block[:B], self.first_in_block[:B])
         last = WriteThrough(*(t[:B] for t in self.last_write)) if self.defers_write_through else None
-        return step_tables(self.cached[:B], self.active[:B], self.pages[:B], self.resident, self.summary_offset[:B],
-                           self.H, self.S, self.W, self.bs, max_position, rows, last)
+        tables = step_tables(self.cached[:B], self.active[:B], self.pages[:B], self.resident, self.summary_offset[:B],
+                             self.H, self.S, self.W, self.bs, max_position, rows, last)
+        if self.on_demand:  # the stages predict this step's blocks, not the next step's
+            cur = self.cached[:B].long() // self.bs
+            self.next_blocks[:B] = torch.where(self.active[:B], cur + 1, 0)
+            self.next_window[:B] = (cur - self.W + 1).clamp_min(self.S)
+        self.max_position = max_position
+        return tables
+
+    def layer_tables(self, layer: int, meta: AttentionMetadata) -> None:
+        """Layer l's slot tables and cached-token counts in `meta`, rebuilt from the state (after
+        an on-demand retrieval changed the layer's working set, before its attention reads them)."""
+        B = self.B
+        scratch = RowState(*(torch.empty_like(t[:B]) for t in (self.next_blocks, self.next_window, self.completes,
+                                                               self.window_slot, self.block, self.summary_block,
+                                                               self.first_in_block)))
+        t = step_tables(self.cached[:B], self.active[:B], self.pages[:B], self.resident[layer:layer + 1],
+                        self.summary_offset[:B], self.H, self.S, self.W, self.bs, self.max_position, scratch)
+        meta.slot_tables[layer].copy_(t.slot_tables[0])
+        meta.cache_lens[layer].copy_(t.cache_lens[0])
 
     # ---- hooks called by the attention layer ----------------------------------------
     def summary_fold(self, layer: int) -> SummaryFold:
@@ -435,14 +485,21 @@ class LookaheadPipeline:
             self.completes.fill_(False)
 
     def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
+        if self.on_demand:
+            if self.prefetch:  # on the foreground, before the attention reads the layer's tables
+                self.predict(layer)
+                self.select(layer)
+                self.transfer(layer)
+                self.layer_tables(layer, meta)
+            return
         if self.background and layer in self.deferred_range():
             torch.cuda.current_stream(self.device).wait_event(self.deferred_done[layer])
         self.fork_point(layer, "epilogue")
 
     def after_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> None:
         """The layer's epilogue has folded its keys and copied the draft queries out
-        (`summary_fold`): the stages can start (in order here when they run in-line)."""
-        if not self.prefetch:
+        (`summary_fold`): the stages can start (here, in order, without side streams)."""
+        if not self.prefetch or self.on_demand:
             return
         if not self.background:
             self.predict(layer)
@@ -450,12 +507,14 @@ class LookaheadPipeline:
                 self.select(layer)
             if self.stages >= 3 and layer not in self.deferred_range():
                 self.transfer(layer)
+            for observe in self.observers:
+                observe(self, layer, q)
         self.fork_point(layer, "attention")  # side streams: the stages start here or later
 
     def fork_point(self, layer: int, part: str) -> None:
         """The foreground has launched `part` of layer l (epilogue, attention, o_proj, mlp): at the
         `stages_fork` part, layer l's stages start on the side streams."""
-        if not (self.background and self.prefetch):
+        if not (self.background and self.prefetch) or self.on_demand:
             return
         early = self.stages_fork == "epilogue"
         if part == self.stages_fork:
@@ -512,7 +571,7 @@ class LookaheadPipeline:
             self.timing.joined.record()
 
     # ---- the stages ----------------------------------------------------------------
-    def predict(self, layer: int) -> None:
+    def predict(self, layer: int, read: bool = True) -> None:
         B, H = self.B, self.H
         score_select(self.draft_q[layer, :B], self.kmin[layer], self.kmax[layer], self.summary_offset[:B],
                      self.next_blocks[:B], self.G, self.K, max_blocks=self.scan_blocks, num_sink=self.S,
@@ -523,6 +582,8 @@ class LookaheadPipeline:
         if self.remote is not None:  # disaggregated rows: only local blocks may come in
             self.remote.mask(layer, self.predicted[layer, :B * H], self.predicted_scores[layer, :B * H],
                              self.active)
+            if read and self.layer_reads is not None and self.layer_reads(self, layer):
+                self.predict(layer, read=False)  # the missing blocks are local now
 
     def select(self, layer: int) -> None:
         """Capped eviction; under a transfer budget, first what each row would admit, then each

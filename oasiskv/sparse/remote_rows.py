@@ -16,7 +16,7 @@ row takes a slot, and on the device
 The host writes the map between steps, on the stream the steps run on, as items arrive
 (`set_map`, `update_map`). Inside the step, after each layer's prediction, `mask` takes out
 the predicted blocks that are not local (so the selection never admits one and the working set
-keeps what it holds, as on the in-line path) and records them in `wanted`, which the host
+keeps what it holds) and records them in `wanted`, which the host
 reads with the step's tokens (`stage_wanted`, `read_wanted`) and asks of the prefill.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ class SparseStats:
     bytes_to_device: int = 0
     drafts: int = 0  # draft tokens proposed
     drafts_accepted: int = 0  # ... that equalled the real next token
-    stall_s: float = 0.0  # time its steps' foreground waited on the pipeline streams (CUDA pipeline)
+    stall_s: float = 0.0  # time its steps' foreground waited on the pipeline streams (CUDA)
 
     def absorb(self, counts: list[int], item_bytes: int) -> None:
         """Add a pipeline row's device counters (hits, missed, admitted, evicted)."""
@@ -68,8 +68,8 @@ class WorkingSet:
     cfg: SparseConfig
     pages: list[int]  # P GPU pages
     extent: HostExtent | None  # the request's reservation in the host pool
-    # In-line path: the working set is here. Pipeline path: these move to its batched state
-    # (LookaheadPipeline.adopt) and are None; `row` says where.
+    # As the conversion (or a decode instance's admission) builds the working set; they move to
+    # the pipeline's batched state (LookaheadPipeline.adopt) and are None then; `row` says where.
     blocks: torch.Tensor | None  # [L, Hkv, P] int32 logical block per position, -1 empty
     last_selected: torch.Tensor | None  # [L, Hkv, K] int64
     kmin: torch.Tensor | None  # [L, max_blocks, Hkv, D] summaries
@@ -78,7 +78,7 @@ class WorkingSet:
     history: TokenHistory | None = None  # the request's tokens, for prompt lookup
     noise: torch.Tensor | None = None  # [V] sampling noise of the next position, drawn a step early
     stats: SparseStats = field(default_factory=SparseStats)
-    row: int | None = None  # its row of the LookaheadPipeline, when that path runs it
+    row: int | None = None  # its row of the LookaheadPipeline, once adopted
     remote: RemoteRequest | None = None  # a disaggregated request's: its blocks come from a peer
     exact_blocks: int = 0  # full blocks when it converted: computed dense, so the host tier may name them
     summary_offset: int = 0  # its first block's index in the page pool's summaries (`summary_arena`)

@@ -1,5 +1,5 @@
 """A disaggregated request end to end on two engines in this process (the default model, a
-4K-token prompt, K = 32, the in-line path). The prefill engine converts it and hands it over:
+4K-token prompt, K = 32, the pipeline in order). The prefill engine converts it and hands it over:
 its admission, and its host extent leased and served over the socket transport. The decode
 engine admits it and reads the rest on demand. With strict reads its greedy tokens equal the
 prefill engine's own sparse decode of the request (colocated); without, blocks arrive a step
@@ -48,7 +48,7 @@ def prefill():
     while seq.sparse is None:
         engine.step()
     extent = seq.host_extent
-    full = full_admission(rid, seq, sparse.block_size, sparse.step)
+    full = full_admission(rid, seq, sparse)
     leases = LeaseTable(sparse.host.free)
     rpf = hand_over(sparse, seq, leases, "decode-0")
     while not seq.is_finished:  # colocated: the same request decoded where it was prefilled
@@ -67,13 +67,12 @@ def prefill():
 
 @pytest.fixture(scope="module")
 def decode():
-    return LLM(**CONFIG).engine
+    return LLM(remote_kv_gb=0.2, **CONFIG).engine  # the arena holds every item of the prompt: 30 x 250 x 3
 
 
 def decode_side(engine, strict: bool) -> RemoteReads:
     sparse = engine.runner.sparse
-    store = LocalItems(24_000,  # every item of the prompt: 30 x 250 x 3
-                        sparse.block_size, sparse.D, sparse.dtype)
+    store = LocalItems.over(engine.runner.remote_items)
     reader = SocketTransport()
     reader.register(store.items)
     reads = RemoteReads(reader, store)
@@ -264,7 +263,7 @@ def test_lazy_reads_and_a_prefill_peer_that_dies(prefill, decode):
                     failed_after, failed_steps = time.monotonic() - killed, steps + 1 - 2
         steps += 1
         peak = max(peak, reads.store.bytes_used)
-    reads.poll()
+    reads.wait()  # the last step's reads: their items go back as they settle
     reads.transport.close()
     assert outs["dies"].finish_reason == "error" and "prefill" in outs["dies"].error
     # The read posted at the end of the first step after the kill fails at once and is seen in

@@ -20,6 +20,8 @@ import pytest
 import torch
 from triton_interpreter import run_under_interpreter
 
+from inline_reference import inline_llm
+
 from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.admission import Admission, full_admission
 from oasiskv.disagg.decode_side import RemoteSource, admit, fail_requests
@@ -47,15 +49,15 @@ HOST = "127.0.0.1"
 def hand_over_one() -> dict:
     """A prefill engine's hand-over of one request: both admissions (bytes), its host pool
     served by `owner`, the lease table holding the extent (released by the caller)."""
-    # As a prefill server runs: the in-line working set (the hand-over reads it), synchronous steps.
-    llm = LLM(sparse_pipeline="off", async_scheduling="off", **CONFIG)
+    # As a prefill server runs: synchronous steps.
+    llm = LLM(async_scheduling="off", **CONFIG)
     engine, sparse = llm.engine, llm.engine.runner.sparse
     ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:PROMPT_TOKENS]
     rid = engine.add_request(ids, GREEDY)
     seq = engine.seqs[rid]
     while seq.sparse is None:
         engine.step()
-    full = full_admission(rid, seq, sparse.block_size, sparse.step)
+    full = full_admission(rid, seq, sparse)
     leases = LeaseTable(sparse.host.free)
     rpf = hand_over(sparse, seq, leases, "decode-0")
     engine.abort(rid)
@@ -77,8 +79,8 @@ def decode_engine(pipeline: bool, deferred: int = 0, remote_kv_gb: float = 0.15)
     """A decode engine and its remote reads over the arena its runner made. deferred: the
     pipeline's deferred layers (CPU; on CUDA the captured steps keep the default)."""
     tuning = PipelineTuning() if torch.cuda.is_available() else PipelineTuning(deferred_layers=deferred)
-    engine = LLM(sparse_pipeline="on" if pipeline else "off", remote_kv_gb=remote_kv_gb, pipeline_tuning=tuning,
-                 **CONFIG).engine
+    build = LLM if pipeline else inline_llm  # the in-line reference (tests/inline_reference.py)
+    engine = build(remote_kv_gb=remote_kv_gb, pipeline_tuning=tuning, **CONFIG).engine
     sparse = engine.runner.sparse
     store = LocalItems.over(engine.runner.remote_items)
     reader = SocketTransport()
@@ -217,7 +219,7 @@ def test_a_dead_peer_fails_only_its_request_on_the_pipeline(prefill):
     assert reads.totals.failed_requests == 1
     print(f"dead peer: both requests settled in {time.monotonic() - t0:.1f} s")
 def test_servers_decode_on_the_pipeline():
-    """`serve --role decode --sparse-pipeline on` (what CUDA runs by default) behind the proxy:
+    """`serve --role decode` (the pipeline) behind the proxy:
     the full transfer's tokens equal the decode server's own colocated decode of the prompt, an
     RPF request reads remotely and holds fewer host bytes than full, and the arena drains."""
     ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
@@ -227,7 +229,7 @@ def test_servers_decode_on_the_pipeline():
               "--kv-transport", "socket"]
     os.environ.setdefault(SECRET_ENV, "tests-disagg-secret")  # the servers and the proxy share it
     procs = {"prefill": start_server([*engine, "--role", "prefill"], HOST, ports["prefill"], wait=False),
-             "decode": start_server([*engine, "--role", "decode", "--sparse-pipeline", "on",
+             "decode": start_server([*engine, "--role", "decode",
                                      "--remote-kv-gb", "0.15", "--prefill-peers", url["prefill"]], HOST,
                                     ports["decode"], wait=False),
              "proxy": start_proxy(url["prefill"], url["decode"], ports["proxy"])}
@@ -439,13 +441,6 @@ def test_mask_asks_each_line_for_its_best_misses_only():
     assert rows.wanted[:2, 0].tolist() == [[-1, 2, 7, -1], [3, 2, -1, -1]]
     assert predicted.tolist() == [[4, -1, -1, 1], [-1, -1, -1, -1]]
     assert torch.isinf(scores[1, :3]).all() and scores[0, 0] == 8
-
-
-def test_miss_rank_counts_within_each_group():
-    from oasiskv.disagg.decode_side import miss_rank
-    missing = np.array([1, 0, 1, 1, 0, 1, 1, 1], dtype=bool)
-    group = np.array([0, 0, 0, 0, 1, 1, 2, 2])
-    assert (miss_rank(missing, group)[missing] == [1, 2, 3, 1, 1, 2]).all()
 
 
 def test_full_arena_gives_back_the_earliest_prompt_items():

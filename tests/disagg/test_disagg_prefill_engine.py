@@ -1,6 +1,5 @@
 """The prefill role's engine: a hand-over that fails ends only its own request, and the role
-servers' sparse paths: the prefill's in-line (whose working set the hand-over reads), the
-decode's the pipeline where the engine would run it, in-line with --rpf-strict."""
+servers' sparse paths: the pipeline, its stages in order and eager with --rpf-strict."""
 from __future__ import annotations
 
 import argparse
@@ -14,11 +13,11 @@ from oasiskv.disagg.socket_transport import SocketTransport
 from oasiskv.entrypoints.disagg_args import role_config
 
 
-@pytest.mark.parametrize("role,strict,pipeline", [("prefill", False, "off"), ("decode", True, "off"),
-                                                   ("decode", False, "on")])
-def test_role_servers_sparse_paths(role, strict, pipeline):
-    cfg = role_config(EngineConfig(sparse_pipeline="on", async_scheduling="on"), role, strict)
-    assert (cfg.sparse.enabled, cfg.sparse_pipeline, cfg.async_scheduling) == (True, pipeline, "off")
+@pytest.mark.parametrize("role,strict", [("prefill", False), ("decode", True), ("decode", False)])
+def test_role_servers_sparse_paths(role, strict):
+    cfg = role_config(EngineConfig(async_scheduling="on"), role, strict)
+    assert (cfg.sparse.enabled, cfg.async_scheduling) == (True, "off")
+    assert (cfg.pipeline_tuning.background, cfg.enforce_eager) == ((False, True) if strict else (None, False))
 
 
 @pytest.mark.slow
@@ -59,7 +58,7 @@ def test_hand_overs_beyond_the_pool_wait_for_pages():
     its conversion (working set and summaries) and every one is handed over, none fails."""
     engine = prefill_engine.PrefillEngine(
         EngineConfig.from_flat(max_model_len=1200, sparse=True, top_k_blocks=8, sparse_threshold=512, host_kv_gb=0.2,
-                               kv_cache_gb=0.03), SocketTransport())
+                               kv_cache_gb=0.03, max_num_seqs=16), SocketTransport())  # (few pipeline rows: pages stay)
     try:
         pool, n = engine.block_manager.num_pages, 12
         assert n * engine.sparse.cfg.working_set_blocks > 2 * pool  # they cannot all convert at once

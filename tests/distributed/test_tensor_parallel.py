@@ -82,7 +82,7 @@ def test_shards_rebuild_every_tensor():
 
 def test_settings_above_size_1():
     cfg = EngineConfig(tensor_parallel_size=2)
-    assert (cfg.async_scheduling, cfg.sparse_pipeline) == ("auto", "auto")
+    assert cfg.async_scheduling == "auto"
     for bad in (dict(drafter="oracle"), dict(distributed_timeout_s=0)):
         with pytest.raises(ValueError):
             EngineConfig.from_flat(tensor_parallel_size=2, **bad)
@@ -257,7 +257,7 @@ def test_reduced_qwen3_size_2_sparse_pipeline(tmp_path, async_scheduling):
     are rank 0's samples of the step before, broadcast on the device)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(REDUCED_QWEN3))
-    args = dict(load_format="dummy", max_model_len=1024, sparse=True, sparse_pipeline="on", top_k_blocks=8,
+    args = dict(load_format="dummy", max_model_len=1024, sparse=True, top_k_blocks=8,
                 window_blocks=2, sink_blocks=1, sparse_threshold=256, fetch_ratio=0.25, host_kv_gb=0.05)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (400, 330, 250)]

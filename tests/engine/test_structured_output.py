@@ -172,12 +172,11 @@ def test_a_draft_never_advances_the_grammar(llm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipeline", ["off", "on"])
-def test_sparse_outputs_validate(pipeline):
-    """Prompts past the threshold decode sparse (in-line path and the batched pipeline); the
+def test_sparse_outputs_validate():
+    """Prompts past the threshold decode sparse (the batched pipeline); the
     draft rows are masked after their drafts but never advance the grammar."""
     llm = LLM(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, sink_blocks=1, sparse_threshold=256,
-              fetch_ratio=0.25, host_kv_gb=0.25, sparse_pipeline=pipeline)
+              fetch_ratio=0.25, host_kv_gb=0.25)
     filler = "Records are kept in a ledger, one line each, and checked every evening. " * 25
     prompt = chat(llm, filler + QUESTION)
     assert len(llm.tokenizer.encode(prompt)) > 300

@@ -43,15 +43,14 @@ def _long_ids(llm, n):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipeline", ["off", "on"])
-def test_sparse_kv_state_stays_in_the_budget_and_summaries_shrink(pipeline):
+def test_sparse_kv_state_stays_in_the_budget_and_summaries_shrink():
     gb = 0.2
     llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=16, sparse_threshold=1024, host_kv_gb=0.5,
-              kv_cache_gb=gb, sparse_pipeline=pipeline, max_num_seqs=4)
+              kv_cache_gb=gb, max_num_seqs=4)
     engine = llm.engine
     plan = engine.runner.memory_plan
     assert plan.kv_budget <= gb * 2**30 < plan.kv_budget + plan.page_bytes
-    assert (plan.pipeline_rows > 0) == (pipeline == "on")
+    assert plan.pipeline_rows > 0
     bm, sparse = engine.block_manager, engine.runner.sparse
     ids = _long_ids(llm, 1500)
     seen = []
@@ -70,9 +69,12 @@ def test_sparse_kv_state_stays_in_the_budget_and_summaries_shrink(pipeline):
 
 
 @pytest.mark.slow
-def test_sparse_and_dense_pools_are_equal_at_equal_budget():
-    """Without the pipeline the budget is all pages, for dense and sparse alike."""
-    dense = LLM(max_model_len=4200, kv_cache_gb=0.2)
-    sparse = LLM(max_model_len=4200, sparse=True, sparse_threshold=1024, host_kv_gb=0.5, kv_cache_gb=0.2,
-                 sparse_pipeline="off")
-    assert dense.engine.block_manager.num_pages == sparse.engine.block_manager.num_pages
+def test_sparse_pool_is_the_dense_pool_less_the_pipeline_rows():
+    """At equal budget the dense pool is all pages, the sparse one the pages left beside the
+    pipeline's rows."""
+    gb = 0.2
+    dense = LLM(max_model_len=4200, kv_cache_gb=gb)
+    sparse = LLM(max_model_len=4200, sparse=True, sparse_threshold=1024, host_kv_gb=0.5, kv_cache_gb=gb)
+    plan = sparse.engine.runner.memory_plan
+    assert dense.engine.block_manager.num_pages == int(gb * 2**30 // plan.page_bytes)
+    assert sparse.engine.block_manager.num_pages == int((gb * 2**30 - plan.pipeline_rows) // plan.page_bytes)

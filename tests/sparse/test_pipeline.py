@@ -1,12 +1,14 @@
-"""The batched lookahead pipeline (issue 4: GPU-resident state, stages as tensor work, rows of
-many requests) against the in-line per-request path, through the whole engine on the real
-default model: with a small budget (eviction and the cap at work), two requests batched, one
+"""The batched lookahead pipeline (device-resident state, stages as tensor work, rows of
+many requests) against the in-line per-request reference (tests/inline_reference.py), through
+the whole engine on the real default model: with a small budget (eviction and the cap at work), two requests batched, one
 finishing before the other (its row is released and the other moves into it), both paths
 decode the same tokens and count the same hits, admissions, evictions and bytes."""
 import argparse
 
 import pytest
 import torch
+
+from inline_reference import inline_llm
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.sparse.tuning import PipelineTuning
@@ -17,18 +19,22 @@ BUDGET = dict(max_model_len=768, sparse=True, top_k_blocks=8, window_blocks=2, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,temperature,deferred,narrow", [("self", 0, 0, False), ("prev", 0, 0, False),
-                                                                 ("self", 0.8, 0, False), ("self", 0, 3, True)])
+                                                                 ("self", 0.8, 0, False), ("self", 0, 3, True),
+                                                                 ("oracle", 0.8, 2, False), ("ondemand", 0, 0, False)])
 def test_pipeline_matches_inline_path(drafter, temperature, deferred, narrow):
     """deferred: the last layers' transfers and the write-through open the next step (as on
     CUDA, in order here): they wait a step, and land before rows move when a request finishes.
     The host pools end equal too: every block either path completed was written through.
     narrow: the prediction scans the narrowest width that holds the step's requests (widths
-    16, 32, 48 blocks here), not the model's length."""
+    16, 32, 48 blocks here), not the model's length. The evaluation's baselines are modes of the
+    pipeline's step: the oracle's first pass (its K/V write and key fold repeated by the step),
+    and on-demand retrieval before each layer's attention."""
     tuning = PipelineTuning(deferred_layers=deferred, scan_bucket_blocks=16 if narrow else 512)
     text = open(argparse.__file__).read()
     runs, pools = {}, {}
-    for path in ("off", "on"):
-        llm = LLM(sparse_pipeline=path, drafter=drafter, pipeline_tuning=tuning, **BUDGET)
+    for path in ("off", "on"):  # off: the in-line reference (tests/inline_reference.py)
+        build = LLM if path == "on" else inline_llm
+        llm = build(drafter=drafter, pipeline_tuning=tuning, **BUDGET)
         if path == "on":
             p = llm.engine.runner.pipeline
             flush, checked = p.flush_deferred, []
@@ -86,7 +92,7 @@ def test_async_pipeline_steps_match_sync(temperature, deferred):
     text = open(argparse.__file__).read()
     runs = {}
     for mode in ("off", "on"):
-        llm = LLM(sparse_pipeline="on", async_scheduling=mode, pipeline_tuning=PipelineTuning(deferred_layers=deferred),
+        llm = LLM(async_scheduling=mode, pipeline_tuning=PipelineTuning(deferred_layers=deferred),
                   **BUDGET)
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[:400], ids[3000:3330], ids[9000:9300]]
@@ -110,7 +116,7 @@ def test_async_pipeline_stop_token_and_abort_in_flight():
     text = open(argparse.__file__).read()
     outs = {}
     for mode in ("off", "on"):
-        llm = LLM(sparse_pipeline="on", async_scheduling=mode, **BUDGET)
+        llm = LLM(async_scheduling=mode, **BUDGET)
         eng = llm.engine
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[:400], ids[3000:3330], ids[9000:9300]]
@@ -150,7 +156,7 @@ def test_every_layer_offers_its_fork_points_in_order(monkeypatch):
         return real(self, layer, part)
 
     monkeypatch.setattr(LookaheadPipeline, "fork_point", spy)
-    llm = LLM(sparse_pipeline="on", **BUDGET)
+    llm = LLM(**BUDGET)
     ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:400]
     llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     L = llm.engine.runner.model.config.num_layers
@@ -165,7 +171,7 @@ def test_every_layer_offers_its_fork_points_in_order(monkeypatch):
 def test_pipeline_request_runs_to_the_model_length():
     """A sparse request decodes on the pipeline until `max_model_len` (its last steps' scan is the
     model's full width, not beyond it) and ends with "length"."""
-    llm = LLM(sparse_pipeline="on", **BUDGET)
+    llm = LLM(**BUDGET)
     ids = llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)[:740]
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == BUDGET["max_model_len"]

@@ -1,9 +1,11 @@
 """Penalties, bias, min_tokens and logprobs through the batched lookahead pipeline: the same
-tokens and logprobs as the in-line sparse path (the draft row gets the same rules, so the
-draft acceptance is the in-line path's too)."""
+tokens and logprobs as the in-line reference (tests/inline_reference.py; the draft row gets the
+same rules, so the draft acceptance is the reference's too)."""
 import argparse
 
 import pytest
+
+from inline_reference import inline_llm
 
 from oasiskv import LLM, SamplingParams
 
@@ -17,7 +19,7 @@ def test_pipeline_samples_with_the_rules_as_inline():
     ids = None
     runs = {}
     for path in ("off", "on"):
-        llm = LLM(sparse_pipeline=path, **BUDGET)
+        llm = (LLM if path == "on" else inline_llm)(**BUDGET)  # off: the in-line reference
         ids = ids or llm.tokenizer.encode(open(argparse.__file__).read(), add_special_tokens=False)
         params = [SamplingParams(temperature=0.8, seed=1, max_tokens=10, min_tokens=10, frequency_penalty=1.5,
                                  logprobs=2),

@@ -1,7 +1,7 @@
 """Requests that go sparse before their first block is full (a prefill instance hands every
 prompt over sparse, whatever its length): the partial block is a sink, and each new token must
 go to that sink until the block fills. Greedy tokens equal dense for every prompt length from 1
-to 18 and around the next block boundaries (through the proxy: tests/disagg/test_disagg_serve.py), with a full budget, in line and through the pipeline."""
+to 18 and around the next block boundaries (through the proxy: tests/disagg/test_disagg_serve.py), with a full budget, through the pipeline."""
 import argparse
 
 import pytest
@@ -22,11 +22,11 @@ def prompts():
     return prompts, [o.token_ids for o in dense.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("sinks, pipeline", [(1, "off"), (1, "on"), (2, "off")])  # two sinks' tables: test_pipeline_kernels
-def test_short_prompts_decode_as_dense(prompts, pipeline, sinks):
+@pytest.mark.parametrize("sinks", [1, 2])
+def test_short_prompts_decode_as_dense(prompts, sinks):
     prompts, want = prompts
     llm = LLM(max_model_len=512, sparse=True, top_k_blocks=8, window_blocks=2, sink_blocks=sinks,
-              host_kv_gb=0.2, sparse_pipeline=pipeline, max_num_seqs=16)
+              host_kv_gb=0.2, max_num_seqs=16)
     engine = llm.engine
     seqs = []
     for ids in prompts:  # converted when their prefill ends, as a prefill instance hands them over

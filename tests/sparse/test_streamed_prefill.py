@@ -32,13 +32,12 @@ def run(llm, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipeline", ["off", "on"])
-def test_a_prompt_4x_the_pool_decodes_as_in_hbm(pipeline):
-    in_hbm = LLM(kv_cache_gb=200 * PAGE_GB, sparse_pipeline=pipeline, **SPARSE)
+def test_a_prompt_4x_the_pool_decodes_as_in_hbm():
+    in_hbm = LLM(kv_cache_gb=200 * PAGE_GB, **SPARSE)
     ids = prompt_ids(in_hbm, 1500)  # 94 blocks
     want, want_kv, _ = run(in_hbm, ids)
     assert not want.streamed and want.sparse is not None
-    streamed = LLM(kv_cache_gb=23.5 * PAGE_GB, sparse_pipeline=pipeline, **SPARSE)
+    streamed = LLM(kv_cache_gb=23.5 * PAGE_GB, **SPARSE)
     engine = streamed.engine
     assert engine.block_manager.num_pages * 4 <= len(ids) // 16 + 1
     got, got_kv, held = run(streamed, ids)
