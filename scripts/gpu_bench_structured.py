@@ -19,6 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+import oasiskv.engine.llm_engine as llm_engine
 from oasiskv.entrypoints.llm import LLM
 from oasiskv.models.config import ModelConfig, preset
 from oasiskv.sampling_params import SamplingParams, StructuredOutput
@@ -46,18 +49,37 @@ def qwen3_dir(cfg: ModelConfig, tokenizer: Path) -> Path:
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int, int]:
-    """(seconds, output tokens, decode steps overlapped by async scheduling) of one batch."""
+WAITED = [0.0]  # seconds the host has waited for the device's tokens (async scheduling's reads)
+
+
+def _timed_read_host(host, ready):
+    t0 = time.perf_counter()
+    try:
+        return _read_host(host, ready)
+    finally:
+        WAITED[0] += time.perf_counter() - t0
+
+
+_read_host, llm_engine.read_host = llm_engine.read_host, _timed_read_host
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int, int, float]:
+    """(seconds, output tokens, decode steps overlapped by async scheduling, seconds the host
+    waited for the device) of one batch: a host that never waits is what bounds the step."""
     stats = llm.engine.step_stats
-    before, t0 = stats["overlapped_steps"], time.perf_counter()
+    before, waited, t0 = stats["overlapped_steps"], WAITED[0], time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
     lengths = {len(o.token_ids) for o in outs}
     assert lengths == {params[0].max_tokens}, f"every row runs to its limit, got lengths {lengths}"
-    return seconds, sum(len(o.token_ids) for o in outs), stats["overlapped_steps"] - before
+    return seconds, sum(len(o.token_ids) for o in outs), stats["overlapped_steps"] - before, WAITED[0] - waited
 
 
-def bench(model_dir: str, rows: int, new_tokens: int, prompt_len: int, reps: int, **engine) -> dict:
+def bench(model_dir: str, name: str, rows: int, new_tokens: int, prompt_len: int, reps: int, **engine) -> dict:
     llm = LLM(model_dir, load_format="dummy", max_num_seqs=rows, max_model_len=prompt_len + new_tokens + 16, **engine)
     prompts = [[100 + (7 * r + j) % 5000 for j in range(prompt_len)] for r in range(rows)]
     plain = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -67,15 +89,18 @@ def bench(model_dir: str, rows: int, new_tokens: int, prompt_len: int, reps: int
     for params in loads.values():  # warm-up: graphs captured, the schema compiled
         run(llm, prompts, params)
     times: dict[str, list[float]] = {name: [] for name in loads}
+    waited: dict[str, list[float]] = {name: [] for name in loads}
     tokens, overlapped = {}, {}
     for _ in range(reps):
         for name, params in loads.items():
-            seconds, tokens[name], overlapped[name] = run(llm, prompts, params)
+            seconds, tokens[name], overlapped[name], w = run(llm, prompts, params)
             times[name].append(seconds)
+            waited[name].append(w)
     tok_s = {name: tokens[name] / statistics.median(t) for name, t in times.items()}
-    return {"model": Path(model_dir).name, "rows": rows, "new_tokens": new_tokens, "prompt_len": prompt_len,
+    host_waits = {name: sum(waited[name]) / sum(times[name]) for name in loads}
+    return {"model": name, "device": device_name(), "rows": rows, "new_tokens": new_tokens, "prompt_len": prompt_len,
             "seconds": times, "tok_s": tok_s, "ratio": tok_s["half grammared"] / tok_s["plain"],
-            "overlapped_steps": overlapped, **engine}
+            "overlapped_steps": overlapped, "host_waiting_share": host_waits, **engine}
 
 
 def main() -> int:
@@ -89,14 +114,17 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--output-json")
     args = p.parse_args()
-    dirs = list(args.model) + [str(qwen3_dir(preset(name), args.tokenizer)) for name in args.preset]
+    dirs = [(d, Path(d).name) for d in args.model]
+    dirs += [(str(qwen3_dir(preset(name), args.tokenizer)), name) for name in args.preset]
     results = []
-    for d in dirs:
-        results.append(bench(d, args.rows, args.new_tokens, args.prompt_len, args.reps))
+    for d, name in dirs:
+        results.append(bench(d, name, args.rows, args.new_tokens, args.prompt_len, args.reps))
         r = results[-1]
         print(json.dumps(r))
         print(f"{r['model']}: plain {r['tok_s']['plain']:,.0f} tok/s, half grammared "
-              f"{r['tok_s']['half grammared']:,.0f} tok/s: {r['ratio']:.3f}", flush=True)
+              f"{r['tok_s']['half grammared']:,.0f} tok/s: {r['ratio']:.3f}; the host waited for the device "
+              f"{r['host_waiting_share']['plain']:.0%} / {r['host_waiting_share']['half grammared']:.0%} of the time",
+              flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=1))
     return 0

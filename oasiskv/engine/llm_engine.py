@@ -63,7 +63,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
+    text: str  # once finished (the engine detokenizes at the end; the server streams its own text)
     token_ids: list[int]
     finish_reason: str | None
     finished: bool
@@ -115,8 +115,9 @@ class LLMEngine:
         self._last_done = 0.0
         self._weight_bytes: dict[int, int] = {}  # batch size -> weight bytes a decode step reads
         self.seqs: dict[str, Sequence] = {}
-        # False: outputs carry no text and stop strings are not checked (a front end that
-        # detokenizes off the engine's thread does both); stop tokens and lengths still apply.
+        # True: a finished output carries its text (unfinished ones carry token ids only). False:
+        # no text and stop strings are not checked (a front end that detokenizes off the engine's
+        # thread does both); stop tokens and lengths still apply.
         self.detokenize = True
         self.step_stats = {"prefill_steps": 0, "decode_steps": 0, "decode_time": 0.0,
                            "decode_tokens": 0, "prefill_time": 0.0, "prefill_tokens": 0,
@@ -401,8 +402,8 @@ class LLMEngine:
         return None
 
     def make_output(self, seq: Sequence) -> RequestOutput:
-        text = ""
-        if self.detokenize and self.tokenizer is not None:
+        text = ""  # made once, at the end: decoding every step's whole output would cost O(n^2)
+        if self.detokenize and self.tokenizer is not None and seq.is_finished:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             if seq.stop_text_len is not None:
                 text = text[:seq.stop_text_len]
