@@ -1,6 +1,7 @@
 """Sparse decode on Qwen2.5-Coder-0.5B (14 query heads per 2 KV heads) at ~2K tokens: the fast
 form of docs/accuracy.md's runs. Passkey: sparse at K = 32 (a third of the context) finds the
-keys, on the suite's filler, in real source code and among four named keys.
+key in real source code and the asked one among four named keys (on the filler alone, the
+default model's passkey tests).
 Skipped when the model is not downloaded."""
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def right():
     sparse = LLM(MODEL, max_model_len=2100, kv_cache_gb=0.5, **SPARSE)
     tok = sparse.tokenizer
     code = tok.encode(module_source("argparse"), add_special_tokens=False)
-    sets = {"filler and code": [make_case(tok, 2000, 0.3, 0), make_case(tok, 2000, 0.6, 1, "argparse", code)],
+    sets = {"code": [make_case(tok, 2000, 0.6, 1, "argparse", code)],
             "four keys": make_cases(tok, 2000, depths=[0.8], seeds=[0], keys=4)}
     cases = [c for group in sets.values() for c in group]
     sparse_right = score(sparse, cases, exact=True)
@@ -39,8 +40,8 @@ def right():
     return out
 
 
-def test_passkey_2k_sparse_finds_the_keys(right):
-    assert right["filler and code"] == [True, True]
+def test_passkey_2k_sparse_finds_the_key_in_code(right):
+    assert right["code"] == [True]
 
 
 def test_multikey_2k_sparse_finds_the_asked_key(right):

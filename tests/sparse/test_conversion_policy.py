@@ -103,25 +103,33 @@ def test_should_convert_needs_the_threshold_or_an_early_request_past_the_floor()
     assert not m.should_convert(Sequence("b", [1], SamplingParams()), 5000)  # no host extent: never
 
 
+PROMPTS = [[(7 * i + 3 * j) % 1000 + 10 for j in range(150)] for i in range(2)]
+POOL = dict(max_model_len=512, kv_cache_gb=0.0152, max_num_seqs=2)  # 22 pages of 16 tokens
+
+
+@pytest.mark.slow
+def test_a_dense_engine_preempts_under_the_load():
+    """The load of the next test: two requests whose dense KV outgrows the pool together
+    (2 x (150 + 60) tokens > 22 pages): a dense engine preempts one and both finish."""
+    dense = LLM(**POOL)
+    assert dense.engine.block_manager.num_pages == 22
+    outs = dense.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    assert all(len(o.token_ids) == 60 for o in outs)
+    assert dense.engine.scheduler.num_preemptions > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("max_tokens", [120, 60])
 def test_engine_converts_instead_of_preempting(max_tokens):
-    """Two requests whose dense KV outgrows the pool together: a dense engine preempts; a sparse
-    one converts them as the pool runs short (before its threshold) and both finish. With 60
-    tokens they never reach the threshold (150 + 60 < 260): they hold host extents anyway, taken
-    at admission because they pass the pressure floor, so they convert too."""
+    """Under that load a sparse engine converts both requests as the pool runs short (before
+    its threshold) and both finish without a preemption. With 60 tokens they never reach the
+    threshold (150 + 60 < 260): they hold host extents anyway, taken at admission because they
+    pass the pressure floor, so they convert too."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [[(7 * i + 3 * j) % 1000 + 10 for j in range(150)] for i in range(2)]
-    kw = dict(max_model_len=512, kv_cache_gb=0.0152, max_num_seqs=2)  # 22 pages of 16 tokens
-    dense = LLM(**kw)
-    assert dense.engine.block_manager.num_pages == 22
-    outs = dense.generate(prompts, params)
-    assert all(len(o.token_ids) == max_tokens for o in outs)
-    assert dense.engine.scheduler.num_preemptions > 0
     # Working set 5 blocks: the pressure floor is 120 tokens; the threshold (260) comes later.
-    sparse = LLM(**kw, sparse=True, top_k_blocks=2, sink_blocks=1, window_blocks=2, sparse_threshold=260,
+    sparse = LLM(**POOL, sparse=True, top_k_blocks=2, sink_blocks=1, window_blocks=2, sparse_threshold=260,
                  host_kv_gb=0.05)
-    outs = sparse.generate(prompts, params)
+    outs = sparse.generate(PROMPTS, params)
     assert all(len(o.token_ids) == max_tokens for o in outs)
     assert sparse.engine.scheduler.num_preemptions == 0
     assert sparse.engine.runner.sparse.num_conversions == 2

@@ -31,9 +31,11 @@ def prompt(dense):
 @pytest.fixture(scope="module")
 def dense_tokens(dense, prompt):
     return dense.generate(prompt, GREEDY32)[0].token_ids
-@pytest.mark.parametrize("drafter", ["self", "ngram", "prev", "oracle", "ondemand"])
+@pytest.mark.parametrize("drafter", ["ngram", "oracle", "ondemand"])
 def test_full_budget_reproduces_dense(drafter, prompt, dense_tokens):
-    """K >= context blocks: every block is resident, so sparse greedy == dense greedy."""
+    """K >= context blocks: every block is resident, so sparse greedy == dense greedy. The
+    drafters other than these (`self`, `prev`) are checked token for token against the in-line
+    reference under a tight budget (tests/sparse/test_pipeline.py); `self` at a full budget below."""
     llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=80, sparse_threshold=1024, drafter=drafter,
               host_kv_gb=0.5)
     out = llm.generate(prompt, GREEDY32)[0]
