@@ -8,6 +8,9 @@ does not import).
   so do short prompts, strict and default (a second decode server and proxy, without --rpf-strict).
 - The proxies take client keys (--api-key); the OpenAI surface and lm-eval through them answer
   as the decode server colocated.
+- Structured output and tool calls through the proxy: the prefill samples the first token under
+  the request's grammar, the decode side starts the same grammar past it, so the whole output
+  validates (JSON schema, a choice, a forced tool call, streamed and not).
 - Full transfer reads the whole KV over the transport at admission (its admission bytes count
   those reads) and decodes the same tokens. RPF's admission is at most a quarter of full
   transfer's, and the decode side's host memory for the request
@@ -24,6 +27,7 @@ import signal
 import time
 import urllib.request
 
+import jsonschema
 import pytest
 
 from oasiskv.disagg.nixl_transport import nixl_available
@@ -332,6 +336,43 @@ def test_lm_eval_through_the_proxy_equals_colocated(servers, tmp_path):
                     assert abs(float(x) - float(y)) < 1e-3 and greedy_x == greedy_y, (a["doc"], x, y)
             else:
                 assert a["filtered_resps"] == b["filtered_resps"], a["doc"]
+FRUIT = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 12},
+                                          "color": {"enum": ["yellow", "red", "green"]}},
+         "required": ["fruit", "color"], "additionalProperties": False}
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
+    "additionalProperties": False}}}]
+
+
+def test_json_schema_choice_and_a_forced_tool_call_through_the_proxy(servers):
+    proxy_surface_once(servers)
+    from openai import OpenAI
+
+    proxy = servers["url"]["proxy_default"]
+    client = OpenAI(base_url=proxy + "/v1", api_key=KEY)
+    fmt = {"type": "json_schema", "json_schema": {"name": "fruit", "schema": FRUIT, "strict": True}}
+    ask = [{"role": "user", "content": "Name a fruit that is yellow, as JSON."}]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=40, temperature=0,
+                                       response_format=fmt)
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), FRUIT)
+    status, out = call(proxy, "/v1/completions", {"prompt": "Is a lemon yellow? Answer:", "max_tokens": 5,
+                                                  "temperature": 0, "guided_choice": ["yes", "no"]}, headers=AUTH)
+    assert status == 200 and out["choices"][0]["text"] in ("yes", "no"), out
+
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model="SmolLM2-135M-Instruct", messages=weather, tools=WEATHER_TOOLS, max_tokens=40, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
+    r = client.chat.completions.create(**kw)
+    call_ = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call_.function.name == "get_weather"
+    jsonschema.validate(json.loads(call_.function.arguments), WEATHER_TOOLS[0]["function"]["parameters"])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [tc.function.arguments for tc in streamed] == [call_.function.arguments]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_fuzz_role_servers_and_proxy(servers):
     """Malformed and hostile requests to the proxy and both role servers (bounded: a few hundred,
     seconds): every answer a 4xx, the servers healthy after, nothing held (socket transport)."""

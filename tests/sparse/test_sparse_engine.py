@@ -67,13 +67,13 @@ def test_sampled_full_budget_equals_dense_and_the_draft_holds(dense, prompt, mon
     assert len(hits) == 32 and True in hits
     first = hits.index(True)
     assert all(hits[first:]) and first <= 16, hits  # held from its first hit, for 16 steps or more
-def test_full_budget_4k_prompt(dense):
-    """250 blocks, converted after a prefill of several chunks: 16 steps at that context (the
-    steps' own rules are the 1,100-token tests')."""
-    ids = _long_ids(dense, 4000)
+def test_full_budget_3k_prompt(dense):
+    """188 blocks (more than a 128-wide scan), converted after its prefill: 16 steps at that
+    context (the steps' own rules are the 1,100-token tests')."""
+    ids = _long_ids(dense, 3000)
     greedy = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
     want = dense.generate(ids, greedy)[0].token_ids
-    llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=256, sparse_threshold=1024, host_kv_gb=0.5)
+    llm = LLM(max_model_len=4200, sparse=True, top_k_blocks=192, sparse_threshold=1024, host_kv_gb=0.5)
     out = llm.generate(ids, greedy)[0]
     assert out.token_ids == want and out.stats["sparse_steps"] == 16
 def test_small_budget_caps_traffic(prompt):
