@@ -1,6 +1,6 @@
 """Disaggregated serving end to end: `oasiskv proxy` + `oasiskv serve --role prefill` + `oasiskv
-serve --role decode --rpf-strict` as subprocesses on the default model, a 4K-token prompt,
-K = 32; on the socket transport, then the prefill server's death again on NIXL (skipped where it
+serve --role decode --rpf-strict` as subprocesses on the default model, a 4K-token prompt (1.5K for the
+faults), K = 32; on the socket transport, then the prefill server's death again on NIXL (skipped where it
 does not import).
 
 - Strict RPF through the proxy decodes the greedy tokens of colocated sparse decode (the same
@@ -38,6 +38,7 @@ from server_client import call, free_port, metrics, start_proxy, stream_events
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 PROMPT_TOKENS, NEW_TOKENS = 4000, 8
+FAULT_PROMPT = 1500  # the fault tests' prompt: handed over sparse as any is, at a fraction of the 4K prefill
 ENGINE = ["--max-model-len", "4200", "--sparse", "--top-k-blocks", "32", "--sparse-threshold", "2048",
           "--host-kv-gb", "0.5", "--kv-cache-gb", "0.5", "--disable-log-stats"]
 HOST = "127.0.0.1"
@@ -200,14 +201,15 @@ def test_client_gone_mid_decode_frees_both_sides(servers):
     if servers["transport"] != "socket":
         pytest.skip("an abort releases its lease over HTTP whatever the transport: run on the socket one")
     url, ids = servers["url"], servers["ids"]
-    r = stream_until(url["proxy"], {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True}, 2)
+    r = stream_until(url["proxy"], {"prompt": ids[:FAULT_PROMPT], "max_tokens": 200, "temperature": 0,
+                                    "ignore_eos": True}, 2)
     r.close()
     assert pools_drain(url) == (0, 0, 0)
 
 
-# Every length under two blocks, then around the next block boundaries (the engine's paths:
-# run on the socket transport; NIXL moves the same items).
-SHORT_LENGTHS = list(range(1, 34)) + [47, 48, 49, 63, 64, 65, 127, 128, 129, 199, 200]
+# Every length to just past one block, then around the next block boundaries (the engine's
+# paths: run on the socket transport; NIXL moves the same items).
+SHORT_LENGTHS = list(range(1, 18)) + [31, 32, 33, 47, 48, 49, 63, 64, 65, 127, 128, 129, 199, 200]
 
 
 def test_every_short_prompt_length_equals_colocated(servers):
@@ -424,7 +426,7 @@ def test_prefill_killed_mid_decode(servers):
     """After two streamed tokens the prefill server is killed: an error event within 5 s, the
     request's memory freed on the decode side, which then serves a request of its own."""
     url, ids = servers["url"], servers["ids"]
-    body = {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": ids[:FAULT_PROMPT], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(url["proxy"] + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json", **AUTH})
     events, killed, error_after = 0, None, None
