@@ -2,7 +2,8 @@
 sparse engine's tokens against dense, on CUDA. Each script exits non-zero when a check fails;
 here each runs as a subprocess and fails its test then. Skipped without CUDA (CI has none); on
 the GPU machine, after `bash scripts/gpu_deps.sh` here:
-`PYTHONPATH=.:.gpu_site python3 -m pytest -o addopts= -p no:cacheprovider tests/gpu -q`."""
+`PYTHONPATH=.:.gpu_site python3 -m pytest -o addopts= -p no:cacheprovider tests/gpu -q`. With $OUT
+set each check's log is written there; GPU_CHECK_TIMEOUT_S bounds each check (default 900)."""
 from __future__ import annotations
 
 import os
@@ -30,6 +31,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("name", CHECKS)
 def test_gpu_check(name):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, *CHECKS[name]], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, f"{' '.join(CHECKS[name])} failed:\n{(run.stdout + run.stderr)[-4000:]}"
+    timeout = float(os.environ.get("GPU_CHECK_TIMEOUT_S", "900"))
+    try:
+        run = subprocess.run([sys.executable, *CHECKS[name]], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+        log, rc = run.stdout + run.stderr, run.returncode
+    except subprocess.TimeoutExpired as e:  # what it printed so far, then a failure
+        log = "".join(x.decode() if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+        log, rc = log + f"\n(timed out after {timeout:.0f} s)", None
+    if os.environ.get("OUT"):  # on the GPU machine: each check's log comes back, passed or not
+        Path(os.environ["OUT"], f"gpu_check_{name}.log").write_text(log)
+    assert rc == 0, f"{' '.join(CHECKS[name])} failed:\n{log[-4000:]}"
