@@ -120,9 +120,9 @@ def test_async_pipeline_stop_token_and_abort_in_flight():
         eng = llm.engine
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         prompts = [ids[:400], ids[3000:3330], ids[9000:9300]]
-        greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
         probe = llm.generate(prompts[:1], greedy)[0].token_ids  # a token the first request will emit
-        stop = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[probe[9]])
+        stop = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[probe[9]])
         rids = [eng.add_request(p, sp) for p, sp in zip(prompts, [stop, greedy, greedy])]
         got = {}
         for i in range(200):
