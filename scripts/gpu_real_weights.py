@@ -75,12 +75,12 @@ def check(a) -> None:
     json.dump(result, open(a.output, "w"), indent=1)
     print(f"| run | hit rate (mean) | draft acceptance (mean) |\n| --- | ---: | ---: |")
     cpu = exp["cpu_inline_float32"]
-    print(f"| CPU in-line, real float32 | {statistics.mean(r['hit_rate'] for r in cpu):.3f} | "
+    print(f"| CPU, real float32 | {statistics.mean(r['hit_rate'] for r in cpu):.3f} | "
           f"{statistics.mean(r['draft_acceptance'] for r in cpu):.3f} |")
     for name, rows in result["runs"].items():
         print(f"| GPU pipeline, {name} | {statistics.mean(r['hit_rate'] for r in rows):.3f} | "
               f"{statistics.mean(r['draft_acceptance'] for r in rows):.3f} |")
-    print(f"GPU float32 tokens equal to the CPU in-line path's before the first difference: {same} of {n}")
+    print(f"GPU float32 tokens equal to the CPU pipeline's before the first difference: {same} of {n}")
 
 
 def main():

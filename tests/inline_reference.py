@@ -278,7 +278,8 @@ class InlineReference:
         else:
             hidden = model(ids, positions, self.runner.kv_caches, meta)
             logits = model.compute_logits(hidden)
-            tokens, guesses = torch.stack(self.runner._lookahead_samples(seqs, logits[::Q], logits[1::Q], ids[1::Q])).tolist()
+            samples = self.runner._lookahead_samples(seqs, logits[::Q], logits[1::Q], ids[1::Q])
+            tokens, guesses = torch.stack(samples).tolist()
         for r in hooks.rows:
             self.write_through(r.ws, r.cached)
             self._advance(r.ws, hooks.drafter, tokens[r.batch_index], guesses[r.batch_index])

@@ -28,8 +28,9 @@ class SparseRunner:
                  pipeline: LookaheadPipeline, graph_buckets: list[int], use_graph: bool,
                  attention_splits: int | None):
         """manager: the requests' sparse state outside the step; pipeline: the step itself;
-        graph_buckets: the batch sizes a captured step is built for; use_graph: pipeline steps replay CUDA graphs; attention_splits: the decode
-        kernel's splits over a batch of working sets alone (`PipelineTuning.attention_splits`)."""
+        graph_buckets: the batch sizes a captured step is built for; use_graph: pipeline steps
+        replay CUDA graphs; attention_splits: the decode kernel's splits over a batch of working
+        sets alone (`PipelineTuning.attention_splits`)."""
         self.model, self.kv_caches, self.manager, self.pipeline = model, kv_caches, manager, pipeline
         self.model_config = manager.mc  # the rank's shard above tensor-parallel size 1
         self.device, self.dtype = manager.device, manager.dtype

@@ -110,7 +110,8 @@ def run_json_schema(args) -> int:
         rows.append(row)
     unchanged = [a.token_ids == b.token_ids for a, b in zip(alone, mixed[len(prompts):])]
     results = {"model": cfg.model, "sparse": cfg.sparse.enabled, "sparse_threshold": cfg.sparse.sparse_threshold,
-               "top_k_blocks": cfg.sparse.top_k_blocks, "pad_tokens": pad, "max_tokens": args.max_tokens, "prompts": len(rows),
+               "top_k_blocks": cfg.sparse.top_k_blocks, "pad_tokens": pad, "max_tokens": args.max_tokens,
+               "prompts": len(rows),
                "parsed": sum(r["parsed"] for r in rows), "valid": sum(r["valid"] for r in rows),
                "stopped": sum(r["finish_reason"] == "stop" for r in rows),
                "sparse_steps": sum(r["sparse_steps"] for r in rows), "plain_unchanged": sum(unchanged),

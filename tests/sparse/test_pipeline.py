@@ -1,8 +1,9 @@
 """The batched lookahead pipeline (device-resident state, stages as tensor work, rows of
 many requests) against the in-line per-request reference (tests/inline_reference.py), through
-the whole engine on the real default model: with a small budget (eviction and the cap at work), two requests batched, one
-finishing before the other (its row is released and the other moves into it), both paths
-decode the same tokens and count the same hits, admissions, evictions and bytes."""
+the whole engine on the real default model: with a small budget (eviction and the cap at work),
+two requests batched, one finishing before the other (its row is released and the other moves
+into it), both paths decode the same tokens and count the same hits, admissions, evictions and
+bytes."""
 import argparse
 
 import pytest

@@ -1,7 +1,8 @@
 """Requests that go sparse before their first block is full (a prefill instance hands every
 prompt over sparse, whatever its length): the partial block is a sink, and each new token must
 go to that sink until the block fills. Greedy tokens equal dense for every prompt length from 1
-to 18 and around the next block boundaries (through the proxy: tests/disagg/test_disagg_serve.py), with a full budget, through the pipeline."""
+to 18 and around the next block boundaries (through the proxy: tests/disagg/test_disagg_serve.py),
+with a full budget, through the pipeline."""
 import argparse
 
 import pytest
